@@ -1,0 +1,4 @@
+"""Plumbing the lessons share: the command line, launchers, models, evaluation and outputs.
+
+The distributed idea each lesson teaches stays inline in that lesson; only what repeats unchanged lives here.
+"""

@@ -1,0 +1,107 @@
+"""The command line every lesson shares, and its checks: bad input is one line and a non-zero exit."""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from data_tools.datasets import DATASETS, DEFAULT_DATASET, DataError
+
+MODELS = ("mlp", "cnn")
+QUICK_TRAIN_SAMPLES = 12_800
+
+
+class CourseError(RuntimeError):
+    """A problem the user can fix; printed as one line, never as a traceback."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage + message; we print one line that says what to do
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be greater than 0")
+    return value
+
+
+def parser(doc: str, lesson: str, *, data=True, outputs=True, nproc_default=None,
+           batch_help="per rank") -> Parser:
+    """The shared options.  `doc` is the lesson's docstring (its first paragraph is the description)."""
+    p = Parser(prog=f"python {lesson}", description=doc.strip().split("\n\n")[0],
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    if nproc_default is not None:
+        p.add_argument("--nproc", type=positive_int, default=nproc_default,
+                       help="processes to spawn when started with plain python "
+                            "(ignored under torchrun/srun, which choose the world size)")
+    if data:
+        p.add_argument("--dataset", default=DEFAULT_DATASET, choices=sorted(DATASETS), help="which dataset")
+        p.add_argument("--data-dir", type=Path, default=None,
+                       help="prepared data dir (default: $COURSE_DATA_DIR or data/ in the repository)")
+        p.add_argument("--model", default="mlp", choices=MODELS,
+                       help="mlp: 784-128-10 as in the original workshop; cnn: the FashionMNIST guide's CNN")
+        p.add_argument("--epochs", type=positive_int, default=2)
+        p.add_argument("--batch-size", type=positive_int, default=64, help=f"samples per step, {batch_help}")
+        p.add_argument("--lr", type=positive_float, default=0.01, help="SGD learning rate (momentum 0.9)")
+        p.add_argument("--seed", type=int, default=0, help="one seed for weights and shuffling")
+        p.add_argument("--train-samples", type=positive_int, default=None,
+                       help="train on the first N samples only (default: all 60000)")
+        p.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many steps")
+        p.add_argument("--quick", action="store_true",
+                       help=f"laptop/test mode: 1 epoch on {QUICK_TRAIN_SAMPLES} samples "
+                            "(still the whole test set)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: one GPU per rank when CUDA is available, else the CPU")
+    if outputs:
+        p.add_argument("--run-dir", type=Path, default=Path("runs") / Path(lesson).stem,
+                       help="where rank 0 writes metrics, plots and weights")
+    return p
+
+
+def add_distributed(p: Parser) -> Parser:
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                   help="auto: nccl on GPUs, gloo on the CPU")
+    p.add_argument("--timeout", type=positive_float, default=120.0,
+                   help="seconds a rank waits for the others (process group init and collectives)")
+    return p
+
+
+def parse(p: Parser, argv=None) -> argparse.Namespace:
+    args = p.parse_args(argv)
+    if getattr(args, "quick", False):
+        args.epochs = 1
+        args.train_samples = args.train_samples or QUICK_TRAIN_SAMPLES
+    run_dir = getattr(args, "run_dir", None)
+    if run_dir is not None:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if not os.access(run_dir, os.W_OK):
+                raise PermissionError("not writable")
+        except OSError as e:
+            p.exit(2, f"{p.prog}: error: run dir {run_dir} cannot be written ({e.strerror or e}); "
+                      f"choose another with --run-dir\n")
+    return args
+
+
+def main(run, p: Parser, argv=None) -> None:
+    """Parse, run, and turn the errors a user can fix into one line and exit code 1."""
+    args = parse(p, argv)
+    try:
+        run(args)
+    except (CourseError, DataError) as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,296 @@
+"""MNIST-format datasets: where they come from, how they are prepared once, how lessons load them.
+
+A prepared data dir holds, per dataset, torchvision's layout (so torchvision can read it too):
+
+    <data_dir>/FashionMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte
+    <data_dir>/FashionMNIST/READY          (written last: the files below it were checked)
+
+Preparation runs once (on a laptop or a login node), never on every rank: lessons only *load* and, when the
+data is missing, stop with one line naming the command that prepares it.  Two preparations at once (two
+jobs, two terminals) cannot corrupt the data dir: they take a file lock, build in a temporary directory and
+rename it into place, which is atomic.
+"""
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from data_tools.idx import IMAGES_MAGIC, LABELS_MAGIC, IDXError, read_idx, write_idx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PREPARE_SCRIPT = "data_tools/prepare_data.py"
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    name: str            # the name on the command line
+    folder: str          # torchvision's folder name under the data dir
+    mean: float          # per-pixel mean and std of the training images, for normalization
+    std: float
+    system_copy: str     # where a Debian package puts the .gz files ("" if no package exists)
+    classes: tuple
+
+
+DATASETS = {
+    "fashion-mnist": DatasetSpec(
+        "fashion-mnist", "FashionMNIST", 0.2860, 0.3530, "/usr/share/datasets/fashion-mnist",
+        ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+         "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")),
+    "mnist": DatasetSpec(
+        "mnist", "MNIST", 0.1307, 0.3081, "",
+        tuple(str(d) for d in range(10))),
+}
+# Fashion-MNIST is the default because a machine without general internet access can still install it from
+# Debian's registry (package dataset-fashion-mnist); MNIST's download mirrors are often unreachable from
+# compute nodes.  Same format, same sizes, same code: `--dataset mnist` switches.
+DEFAULT_DATASET = "fashion-mnist"
+
+# split -> (images file, labels file, number of samples)
+SPLITS = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", 60_000),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte", 10_000),
+}
+FILES = [name for images, labels, _ in SPLITS.values() for name in (images, labels)]
+
+
+class DataError(RuntimeError):
+    """The dataset is missing or broken; the message says what to run."""
+
+
+def default_data_dir() -> Path:
+    """`$COURSE_DATA_DIR` if set (e.g. a scratch filesystem on a cluster), else `data/` in the repository."""
+    return Path(os.environ.get("COURSE_DATA_DIR", REPO_ROOT / "data"))
+
+
+def spec(dataset: str) -> DatasetSpec:
+    try:
+        return DATASETS[dataset]
+    except KeyError:
+        raise DataError(f"unknown dataset {dataset!r}; choose one of: {', '.join(DATASETS)}") from None
+
+
+def prepare_command(dataset: str, data_dir: Path) -> str:
+    cmd = f"python {PREPARE_SCRIPT} --dataset {dataset}"
+    if Path(data_dir).resolve() != default_data_dir().resolve():
+        cmd += f" --data-dir {data_dir}"
+    return cmd
+
+
+def read_split(raw_dir, split: str):
+    """Read and validate one split from a directory holding the IDX files (plain or .gz)."""
+    images_name, labels_name, n = SPLITS[split]
+    raw_dir = Path(raw_dir)
+
+    def find(name):
+        for candidate in (raw_dir / name, raw_dir / (name + ".gz")):
+            if candidate.exists():
+                return candidate
+        raise IDXError(f"{raw_dir / name}: file not found")
+
+    images = read_idx(find(images_name), IMAGES_MAGIC, (n, 28, 28))
+    labels = read_idx(find(labels_name), LABELS_MAGIC, (n,))
+    if labels.max() > 9:
+        raise IDXError(f"{find(labels_name)}: label {labels.max()} out of range 0-9")
+    return images, labels
+
+
+def load_split(dataset: str, split: str, data_dir=None):
+    """The split as (images uint8 [N, 28, 28], labels int64 [N]) torch tensors, from a prepared data dir."""
+    import torch
+
+    data_dir = Path(data_dir) if data_dir else default_data_dir()
+    folder = data_dir / spec(dataset).folder
+    if not (folder / "READY").exists():
+        raise DataError(f"{dataset} is not prepared in {data_dir}; run: {prepare_command(dataset, data_dir)}")
+    try:
+        images, labels = read_split(folder / "raw", split)
+    except IDXError as e:
+        raise DataError(f"{dataset} in {data_dir} is damaged ({e}); rebuild it with: "
+                        f"{prepare_command(dataset, data_dir)} --force") from None
+    return torch.from_numpy(images.copy()), torch.from_numpy(labels.astype(np.int64))
+
+
+def require(dataset: str, data_dir=None) -> None:
+    """Fail fast (before any process is started) if the dataset is not prepared."""
+    data_dir = Path(data_dir) if data_dir else default_data_dir()
+    if not (data_dir / spec(dataset).folder / "READY").exists():
+        raise DataError(f"{dataset} is not prepared in {data_dir}; run: {prepare_command(dataset, data_dir)}")
+
+
+# ----------------------------------------------------------------------------------------- preparation
+
+@contextmanager
+def _locked(data_dir: Path, folder: str):
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(data_dir / f".{folder}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second preparation waits here, then finds READY
+        yield
+
+
+def _candidate_dirs(source: Path, folder: str):
+    """A user-named source may be the raw dir itself, a torchvision root, or a dataset folder."""
+    return [source, source / "raw", source / folder / "raw", source / folder]
+
+
+def _from_directory(source: Path, folder: str, dest_raw: Path) -> str:
+    errors = []
+    for candidate in _candidate_dirs(source, folder):
+        if not candidate.is_dir():
+            continue
+        try:
+            splits = {split: read_split(candidate, split) for split in SPLITS}
+        except IDXError as e:
+            errors.append(str(e))
+            continue
+        for split, (images, labels) in splits.items():
+            images_name, labels_name, _ = SPLITS[split]
+            write_idx(dest_raw / images_name, images)
+            write_idx(dest_raw / labels_name, labels)
+        return str(candidate)
+    detail = errors[0] if errors else "no IDX files found there"
+    raise DataError(f"{source} does not hold a usable dataset: {detail}")
+
+
+def _download(spec_: DatasetSpec, dest_root: Path, timeout: float) -> str:
+    """torchvision's mirrors, with a short timeout so an offline node fails in seconds, not minutes."""
+    import torchvision
+
+    cls = {"fashion-mnist": torchvision.datasets.FashionMNIST, "mnist": torchvision.datasets.MNIST}[spec_.name]
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(timeout)
+    try:
+        for train in (True, False):
+            cls(root=str(dest_root), train=train, download=True)
+    except Exception as e:  # URLError, timeouts, checksum failures: all mean "not from here"
+        raise DataError(f"could not download {spec_.name} ({type(e).__name__}: {e}). Offline? "
+                        + ("Install Debian's copy: apt-get install dataset-fashion-mnist, or "
+                           if spec_.system_copy else "")
+                        + f"copy the four IDX files from elsewhere and run: python {PREPARE_SCRIPT} "
+                          f"--dataset {spec_.name} --source DIR") from None
+    finally:
+        socket.setdefaulttimeout(old)
+    return "torchvision download"
+
+
+def prepare(dataset: str, data_dir=None, source=None, force: bool = False,
+            download_timeout: float = 15.0, log=print) -> Path:
+    """Make `dataset` ready in `data_dir`; return its folder.  Idempotent and safe to run concurrently.
+
+    Sources, in order: `source` (a directory the user names), an already prepared data dir, the system
+    copy from a Debian package, torchvision's download.
+    """
+    s = spec(dataset)
+    data_dir = Path(data_dir) if data_dir else default_data_dir()
+    final = data_dir / s.folder
+    with _locked(data_dir, s.folder):
+        if final.exists() and not force and source is None:
+            if (final / "READY").exists():
+                try:
+                    for split in SPLITS:
+                        read_split(final / "raw", split)
+                    log(f"{dataset}: already prepared in {final}")
+                    return final
+                except IDXError as e:
+                    raise DataError(f"{final} is damaged ({e}); rebuild it with: "
+                                    f"{prepare_command(dataset, data_dir)} --force") from None
+            raise DataError(f"{final} exists but was not prepared by this tool (no READY file); "
+                            f"rebuild it with: {prepare_command(dataset, data_dir)} --force")
+
+        tmp = Path(tempfile.mkdtemp(prefix=f".{s.folder}-", dir=data_dir))
+        try:
+            raw = tmp / s.folder / "raw"
+            raw.mkdir(parents=True)
+            if source is not None:
+                origin = _from_directory(Path(source), s.folder, raw)
+            elif s.system_copy and Path(s.system_copy).is_dir():
+                origin = _from_directory(Path(s.system_copy), s.folder, raw)
+            else:
+                origin = _download(s, tmp, download_timeout)
+                for gz in raw.glob("*.gz"):
+                    gz.unlink()
+            for split in SPLITS:  # validate what we are about to publish, whatever its origin
+                read_split(raw, split)
+            (tmp / s.folder / "READY").write_text(json.dumps({"dataset": dataset, "source": origin}) + "\n")
+            if final.exists():
+                shutil.rmtree(final)  # only reached with force or source: the user asked for a rebuild
+            os.rename(tmp / s.folder, final)  # atomic: readers see the old folder or the complete new one
+        except IDXError as e:
+            raise DataError(str(e)) from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    log(f"{dataset}: prepared in {final} (from {origin})")
+    return final
+
+
+# ----------------------------------------------------------------------------------------- in memory
+
+class InMemoryMNIST:
+    """A whole split held as one normalized float tensor [N, 1, 28, 28] (and labels), on CPU or a GPU.
+
+    The dataset is 47 MB as uint8 and 188 MB as float32: it fits in memory (and on any GPU), so the hot
+    path is one tensor index per batch instead of N per-sample PIL -> ToTensor conversions.  Index it with a
+    list of indices (what a BatchSampler yields) to get a whole batch at once.
+    """
+
+    def __init__(self, dataset: str, split: str, data_dir=None, device="cpu", limit: int = 0):
+        import torch
+
+        images, labels = load_split(dataset, split, data_dir)
+        if limit:
+            images, labels = images[:limit], labels[:limit]
+        s = spec(dataset)
+        self.images = ((images.float().div_(255) - s.mean) / s.std).unsqueeze(1).to(device)
+        self.labels = labels.to(device)
+        self._torch = torch
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        if isinstance(index, list):  # a whole batch from a BatchSampler
+            index = self._torch.as_tensor(index, device=self.labels.device)
+        return self.images[index], self.labels[index]
+
+
+def batches(dataset, sampler, batch_size: int, drop_last: bool = False):
+    """A DataLoader yielding whole batches of an InMemoryMNIST in the order the sampler gives.
+
+    batch_size=None turns off the DataLoader's per-sample collation: each list of indices from the
+    BatchSampler goes to the dataset in one call.
+    """
+    from torch.utils.data import BatchSampler, DataLoader
+
+    return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last), batch_size=None)
+
+
+def main_prepare(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog=PREPARE_SCRIPT,
+        description="Prepare MNIST or Fashion-MNIST once into a data dir (run on a laptop or a login node, "
+                    "not on every rank).")
+    p.add_argument("--dataset", default=DEFAULT_DATASET, choices=sorted(DATASETS),
+                   help=f"which dataset (default: {DEFAULT_DATASET})")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help=f"where to put it (default: $COURSE_DATA_DIR or {default_data_dir()})")
+    p.add_argument("--source", type=Path, default=None,
+                   help="a directory that already holds the four IDX files (.gz or plain)")
+    p.add_argument("--force", action="store_true", help="rebuild even if the data dir looks prepared")
+    p.add_argument("--download-timeout", type=float, default=15.0, metavar="S",
+                   help="seconds before a download attempt gives up (default: 15)")
+    args = p.parse_args(argv)
+    try:
+        prepare(args.dataset, args.data_dir, args.source, args.force, args.download_timeout)
+    except (DataError, OSError) as e:
+        print(f"{PREPARE_SCRIPT}: error: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,131 @@
+"""Lesson 4: data parallelism by hand: DistributedSampler + an all_reduce of the gradients.
+
+    python day1/4_mnist_manual_ddp.py --nproc 2 --quick
+    python day1/4_mnist_manual_ddp.py --nproc 4 --sync flat           # one all_reduce per step
+    torchrun --nproc_per_node=4 day1/4_mnist_manual_ddp.py
+    srun --ntasks=4 python day1/4_mnist_manual_ddp.py
+
+Three lines turn lesson 3's N copies into one training run on N times the data per step:
+1. identical starting weights: rank 0's are broadcast to everyone;
+2. a DistributedSampler gives each rank its own disjoint shard of every epoch (`set_epoch` reshuffles);
+3. after backward, gradients are averaged across ranks with all_reduce, so every rank takes the same step.
+With W ranks of batch b each, one step equals one process stepping on the global batch of W*b samples
+(lesson 2 with --batch-size W*b): the mean of W per-rank mean gradients is the mean gradient of the union.
+
+`--sync per-param` (the default, as the original workshop) calls all_reduce once per parameter tensor;
+`--sync flat` copies all gradients into one buffer and reduces it once: fewer, larger messages, the idea
+behind torch DDP's gradient buckets (lesson 6).  --batch-size is per rank.
+"""
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data.distributed import DistributedSampler
+
+from course import cli
+from course.evaluate import evaluate
+from course.launch import backend_for, launch, setup_device
+from course.models import build_model
+from course.output import plot_curves, rank_print, save_weights, write_json
+from data_tools.datasets import InMemoryMNIST, batches, require
+
+
+def average_gradients(model, world_size):
+    """The original workshop's version: one all_reduce per parameter tensor (4 for the MLP)."""
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)  # DDP: sum of every rank's gradient...
+        p.grad /= world_size                           # DDP: ...divided by W is their mean
+
+
+def average_gradients_flat(model, world_size):
+    """All gradients in one contiguous buffer, one all_reduce: fewer messages, less latency."""
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)  # DDP: one message instead of len(grads)
+    flat /= world_size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def worker(info, args):
+    rank, world_size = info.rank, info.world_size
+    device = setup_device(args.device, info.local_rank)
+    dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
+    require(args.dataset, args.data_dir)
+    train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
+    test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
+
+    # Each rank draws its own random weights (seed + rank makes that visible)...
+    model = build_model(args.model, args.seed + rank).to(device)
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)  # DDP: ...and then takes rank 0's, so all ranks start identical
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    sync = {"per-param": average_gradients, "flat": average_gradients_flat}[args.sync]
+
+    # DDP: rank r gets every W-th index of the epoch's shuffled order; padded so all shards are equal
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    shards = [None] * world_size
+    dist.all_gather_object(shards, list(sampler))  # epoch 0's shards, to show (and test) they are disjoint
+
+    losses, step, start = [], 0, time.perf_counter()
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
+        for x, y in batches(train_set, sampler, args.batch_size):
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            sync(model, world_size)  # DDP: every rank now holds the same averaged gradient
+            optimizer.step()
+            losses.append(loss.detach())
+            step += 1
+            if step == args.max_steps:
+                break
+        accuracy, test_loss, counted = evaluate(model, test_set, rank, world_size)
+        if rank == 0:
+            rank_print(rank, f"epoch {epoch}: test loss {test_loss:.4f}, test accuracy {accuracy:.4f} "
+                             f"({counted} test images, each counted once)")
+        if step == args.max_steps:
+            break
+    seconds = time.perf_counter() - start
+    rank_print(rank, f"{step} steps on {len(sampler)} samples per epoch in {seconds:.1f} s")
+
+    losses = torch.stack(losses)
+    dist.all_reduce(losses)  # DDP: the loss of each global batch, averaged over ranks (one call at the end)
+    losses = (losses / world_size).tolist()
+    if rank == 0:
+        global_batch = world_size * args.batch_size
+        samples = min(step * global_batch, args.epochs * world_size * len(sampler))
+        run = args.run_dir
+        write_json(run / "metrics.json", {
+            "lesson": "4_mnist_manual_ddp", "dataset": args.dataset, "model": args.model, "sync": args.sync,
+            "world_size": world_size, "backend": dist.get_backend(), "batch_size": args.batch_size,
+            "global_batch_size": global_batch, "lr": args.lr, "epochs": args.epochs, "steps": step,
+            "samples_seen": samples, "train_seconds": seconds, "samples_per_second": samples / seconds,
+            "test_accuracy": accuracy, "test_loss": test_loss, "loss_per_step": losses})
+        write_json(run / "shards.json", {"dataset_size": len(train_set), "epoch": 0, "shards": shards})
+        save_weights(run / "model.pt", model)
+        plot_curves(run / "loss.png", {f"{world_size} ranks": (range(1, step + 1), losses)}, "step",
+                    "training loss (mean over ranks)", f"{args.model}, global batch {global_batch}")
+        print(f"{world_size} ranks x batch {args.batch_size} = global batch {global_batch}; test accuracy "
+              f"{accuracy:.4f}; outputs in {run}", flush=True)
+    dist.destroy_process_group()
+
+
+def build_parser():
+    p = cli.add_distributed(cli.parser(__doc__, "day1/4_mnist_manual_ddp.py", nproc_default=2))
+    p.add_argument("--sync", default="per-param", choices=("per-param", "flat"),
+                   help="per-param: one all_reduce per parameter tensor; flat: one for all gradients")
+    return p
+
+
+if __name__ == "__main__":
+    cli.main(lambda args: (require(args.dataset, args.data_dir), launch(worker, args)), build_parser())
