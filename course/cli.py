@@ -61,11 +61,11 @@ def parser(doc: str, lesson: str, *, data=True, outputs=True, nproc_default=None
         p.add_argument("--train-samples", type=positive_int, default=None,
                        help="train on the first N samples only (default: all 60000)")
         p.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many steps")
+        p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                       help="auto: one GPU per rank when CUDA is available, else the CPU")
         p.add_argument("--quick", action="store_true",
                        help=f"laptop/test mode: 1 epoch on {QUICK_TRAIN_SAMPLES} samples "
                             "(still the whole test set)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="auto: one GPU per rank when CUDA is available, else the CPU")
     if outputs:
         p.add_argument("--run-dir", type=Path, default=Path("runs") / Path(lesson).stem,
                        help="where rank 0 writes metrics, plots and weights")

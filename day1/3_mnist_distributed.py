@@ -1,0 +1,98 @@
+"""Lesson 3: N processes each running lesson 2: N times the work, no speed-up, and why.
+
+    python day1/3_mnist_distributed.py --nproc 4 --quick
+    torchrun --nproc_per_node=4 day1/3_mnist_distributed.py
+    srun --ntasks=4 python day1/3_mnist_distributed.py
+
+Starting a training script N times is not data parallelism.  With the same seed every process draws the
+same weights, shuffles the data into the same order, takes the same steps and ends with the same model:
+N copies of one result for N times the electricity.  They even slow each other down, sharing the cores.
+The process group is used only at the end, to compare what the ranks did; lesson 4 makes them cooperate.
+"""
+import hashlib
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import RandomSampler
+
+from course import cli
+from course.evaluate import evaluate
+from course.launch import backend_for, launch, setup_device
+from course.models import build_model
+from course.output import rank_print, save_weights, write_json
+from data_tools.datasets import InMemoryMNIST, batches, require
+
+
+def fingerprint(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def worker(info, args):
+    rank, world_size = info.rank, info.world_size
+    device = setup_device(args.device, info.local_rank)
+    dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
+    require(args.dataset, args.data_dir)
+    train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
+    test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
+    model = build_model(args.model, args.seed).to(device)  # the same seed everywhere: the same weights
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    shuffle = torch.Generator()
+    order = hashlib.sha256()  # what this rank trained on, in order
+    step, start = 0, time.perf_counter()
+    for epoch in range(args.epochs):
+        shuffle.manual_seed(args.seed + epoch)  # lesson 2's shuffle: every rank gets the same order
+        indices = list(RandomSampler(train_set, generator=shuffle))
+        order.update(torch.tensor(indices).numpy().tobytes())
+        for x, y in batches(train_set, indices, args.batch_size):
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()  # no communication: each rank's gradient stays its own
+            optimizer.step()
+            step += 1
+            if step == args.max_steps:
+                break
+        if step == args.max_steps:
+            break
+    seconds = time.perf_counter() - start
+    accuracy, _, _ = evaluate(model, test_set)  # every rank evaluates everything: more duplicated work
+    rank_print(rank, f"{step} steps over all {len(train_set)} samples per epoch in {seconds:.1f} s, "
+                     f"test accuracy {accuracy:.4f}")
+
+    mine = {"rank": rank, "weights": fingerprint(model.state_dict().values()),
+            "data_order": order.hexdigest()[:16], "steps": step, "train_seconds": seconds}
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, mine)  # the only communication: compare notes at the end
+    if rank == 0:
+        same_weights = len({r["weights"] for r in everyone}) == 1
+        same_order = len({r["data_order"] for r in everyone}) == 1
+        for r in everyone:
+            print(f"  rank {r['rank']}: weights {r['weights']}  data order {r['data_order']}  "
+                  f"{r['steps']} steps  {r['train_seconds']:.1f} s")
+        print(f"identical weights on all {world_size} ranks: {same_weights}; identical data order: "
+              f"{same_order}.\n{world_size} processes did {world_size} x {step} steps to produce one model: "
+              f"this is replication, not data parallelism (lesson 4 splits the data instead).", flush=True)
+        write_json(args.run_dir / "metrics.json", {
+            "lesson": "3_mnist_distributed", "dataset": args.dataset, "model": args.model,
+            "world_size": world_size, "batch_size": args.batch_size, "steps": step,
+            "test_accuracy": accuracy, "identical_weights": same_weights, "identical_data_order": same_order,
+            "ranks": everyone})
+        save_weights(args.run_dir / "model.pt", model)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    p = cli.add_distributed(cli.parser(__doc__, "day1/3_mnist_distributed.py", nproc_default=2,
+                                       batch_help="per process (each runs lesson 2)"))
+    cli.main(lambda args: (require(args.dataset, args.data_dir), launch(worker, args)), p)

@@ -1,0 +1,102 @@
+"""Lesson 6: torch's DistributedDataParallel does lesson 4's synchronization for us, and better.
+
+    python day1/6_mnist_ddp_pt.py --nproc 2 --quick
+    torchrun --nproc_per_node=4 day1/6_mnist_ddp_pt.py
+    srun --ntasks=4 python day1/6_mnist_ddp_pt.py
+
+Wrapping the model in DDP replaces lesson 4's two manual steps:
+- at wrap time DDP broadcasts rank 0's parameters and buffers to every rank (no broadcast loop);
+- during backward, hooks on the parameters put finished gradients into buckets (25 MB by default) and
+  start an all_reduce for each full bucket while backward is still computing the rest: communication
+  overlaps computation, and many small tensors travel as a few large messages (lesson 4's --sync flat).
+The result is the same training run as lesson 4: same weights after the same steps (the tests check it).
+`device_ids` is passed only on GPUs; on the CPU DDP uses the model where it is.  --batch-size is per rank.
+"""
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+
+from course import cli
+from course.evaluate import evaluate
+from course.launch import backend_for, launch, setup_device
+from course.models import build_model
+from course.output import plot_curves, rank_print, save_weights, write_json
+from data_tools.datasets import InMemoryMNIST, batches, require
+
+
+def worker(info, args):
+    rank, world_size = info.rank, info.world_size
+    device = setup_device(args.device, info.local_rank)
+    dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
+    require(args.dataset, args.data_dir)
+    train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
+    test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
+
+    model = build_model(args.model, args.seed + rank).to(device)
+    # DDP: broadcasts rank 0's weights at wrap time, then all_reduces gradient buckets during backward
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                bucket_cap_mb=args.bucket_cap_mb)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    losses, step, start = [], 0, time.perf_counter()
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
+        for x, y in batches(train_set, sampler, args.batch_size):
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()  # DDP: gradients arrive averaged over ranks when backward returns
+            optimizer.step()
+            losses.append(loss.detach())
+            step += 1
+            if step == args.max_steps:
+                break
+        accuracy, test_loss, counted = evaluate(model.module, test_set, rank, world_size)
+        if rank == 0:
+            rank_print(rank, f"epoch {epoch}: test loss {test_loss:.4f}, test accuracy {accuracy:.4f} "
+                             f"({counted} test images, each counted once)")
+        if step == args.max_steps:
+            break
+    seconds = time.perf_counter() - start
+    rank_print(rank, f"{step} steps on {len(sampler)} samples per epoch in {seconds:.1f} s")
+
+    losses = torch.stack(losses)
+    dist.all_reduce(losses)  # DDP: the loss of each global batch, averaged over ranks (one call at the end)
+    losses = (losses / world_size).tolist()
+    if rank == 0:
+        global_batch = world_size * args.batch_size
+        samples = min(step * global_batch, args.epochs * world_size * len(sampler))
+        run = args.run_dir
+        write_json(run / "metrics.json", {
+            "lesson": "6_mnist_ddp_pt", "dataset": args.dataset, "model": args.model,
+            "world_size": world_size, "backend": dist.get_backend(), "batch_size": args.batch_size,
+            "global_batch_size": global_batch, "lr": args.lr, "epochs": args.epochs, "steps": step,
+            "samples_seen": samples, "train_seconds": seconds, "samples_per_second": samples / seconds,
+            "test_accuracy": accuracy, "test_loss": test_loss, "loss_per_step": losses})
+        save_weights(run / "model.pt", model)
+        plot_curves(run / "loss.png", {f"{world_size} ranks": (range(1, step + 1), losses)}, "step",
+                    "training loss (mean over ranks)", f"{args.model}, global batch {global_batch}")
+        print(f"{world_size} ranks x batch {args.batch_size} = global batch {global_batch}; test accuracy "
+              f"{accuracy:.4f}; outputs in {run}", flush=True)
+    dist.destroy_process_group()
+
+
+def build_parser():
+    p = cli.add_distributed(cli.parser(__doc__, "day1/6_mnist_ddp_pt.py", nproc_default=2))
+    p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0,
+                   help="DDP's gradient bucket size in MB (the MLP's gradients are 0.4 MB: one bucket)")
+    return p
+
+
+if __name__ == "__main__":
+    cli.main(lambda args: (require(args.dataset, args.data_dir), launch(worker, args)), build_parser())
