@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["slurm_fixture"]  # the real two-node Slurm cluster (tests/slurm_cluster.py)
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 

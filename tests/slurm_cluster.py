@@ -51,13 +51,40 @@ _FINAL_JOB_STATES = {
 }
 
 
+def _system_env() -> dict[str, str]:
+    """os.environ with the system directories appended to PATH."""
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    return {**os.environ, "PATH": os.pathsep.join(path + [p for p in _SYSTEM_PATH if p not in path])}
+
+
+def _cluster_env(conf: Path) -> dict[str, str]:
+    """Environment for Slurm clients of the cluster configured by `conf`."""
+    # Drop SLURM_* inherited from a real allocation the tests may run in: they would point our
+    # srun/sbatch at a job id that this cluster does not know.
+    env = {key: value for key, value in _system_env().items() if not key.startswith("SLURM_")}
+    return {**env, "SLURM_CONF": str(conf)}
+
+
+# Names carry the instance's tag so that sessions can coexist; interface names have at most 15 characters.
+def _netns_name(tag: str, node: str) -> str:
+    return f"{_NAME_PREFIX}-{tag}-{node}"
+
+
+def _veth_name(tag: str, index: int) -> str:
+    return f"sltv{tag}{index}"
+
+
+def _bridge_name(tag: str) -> str:
+    return f"sltb{tag}"
+
+
 def _which(name: str) -> str | None:
-    return shutil.which(name, path=os.pathsep.join(os.environ.get("PATH", "").split(os.pathsep) + _SYSTEM_PATH))
+    return shutil.which(name, path=_system_env()["PATH"])
 
 
 def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Runs a system command (ip, mknod...), raising with its stderr when it fails and check is set."""
-    proc = subprocess.run(args, capture_output=True, text=True)
+    proc = subprocess.run(args, capture_output=True, text=True, env=_system_env())
     if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
@@ -148,17 +175,17 @@ class SlurmCluster:
         self.start_timeout = start_timeout
         self.tag = secrets.token_hex(3)
         self.root = Path(f"/tmp/{_NAME_PREFIX}-{self.tag}")
-        self.workdir = self.root / "work"  # for jobs' files; default cwd of sbatch_wait
+        self.workdir = self.root / "work"  # for jobs' files; default cwd of run() and sbatch_wait()
         self.conf = self.root / "etc" / "slurm.conf"
-        self.env = self._client_env()
-        # Names derived from the tag: stop() and the stale-session cleanup need nothing else.
-        # Interface names are limited to 15 characters.
-        self.bridge = f"sltb{self.tag}"
-        self.netns = {node: f"{_NAME_PREFIX}-{self.tag}-{node}" for node in self.nodes}
-        self.veth = {node: f"sltv{self.tag}{i}" for i, node in enumerate(self.nodes, 1)}
+        self.munge_socket = self.root / "munge" / "munge.socket"
+        self.env = _cluster_env(self.conf)  # pass as env= to run Slurm commands against this cluster
+        self.bridge = _bridge_name(self.tag)
+        self.netns = {node: _netns_name(self.tag, node) for node in self.nodes}
+        self.veth = {node: _veth_name(self.tag, index) for index, node in enumerate(self.nodes, 1)}
         self.subnet: ipaddress.IPv4Network | None = None
         self.node_ip: dict[str, str] = {}
         self._children: list[subprocess.Popen] = []  # to reap them, so they do not stay zombies
+        self._owns_root = False  # never tear down a directory that another session created
 
     # ----------------------------------------------------------------- public API
 
@@ -179,30 +206,38 @@ class SlurmCluster:
             self._start_slurmctld()
             for node in self.nodes:
                 self._start_slurmd(node)
-            self._wait_for_idle_nodes()
+            self.wait_for_idle_nodes(self.start_timeout)
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
         """Removes everything start() made; safe to call on a half-started cluster, and twice."""
-        _teardown(self.root, self.tag)
-        for child in self._children:
-            try:
-                child.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        self._children.clear()
+        try:
+            if self._owns_root:
+                self._owns_root = False
+                _teardown(self.root, self.tag)
+        finally:
+            for child in self._children:
+                try:
+                    child.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+            self._children.clear()
 
-    def run(self, cmd: list[str] | str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    def run(
+        self, cmd: list[str] | str, timeout: float = 120, cwd: str | os.PathLike | None = None, **kwargs,
+    ) -> subprocess.CompletedProcess:
         """Runs a client command (srun, salloc, sinfo...) against this cluster; output captured as text.
 
-        A string runs through bash, so `$(...)` and pipes work. Extra kwargs go to subprocess.run.
-        Does not raise on a non-zero exit code: assert on `returncode`.
+        A string runs through bash, so `$(...)` and pipes work. cwd, which is also the working directory
+        of the job's tasks, defaults to `workdir`, so that Slurm's output files (slurm-<id>.out) do not
+        land in the repository. Extra kwargs go to subprocess.run. Does not raise on a non-zero exit
+        code: assert on `returncode`.
         """
         return subprocess.run(
             cmd, shell=isinstance(cmd, str), executable="/bin/bash" if isinstance(cmd, str) else None,
-            env=self.env, capture_output=True, text=True, timeout=timeout, **kwargs,
+            env=self.env, cwd=cwd or self.workdir, capture_output=True, text=True, timeout=timeout, **kwargs,
         )
 
     def sbatch_wait(
@@ -211,13 +246,13 @@ class SlurmCluster:
     ) -> tuple[int, int, str]:
         """`sbatch [sbatch_options] script [script_args]`, waits for the end: (job_id, exit code, output).
 
-        cwd (the job's working directory) defaults to `workdir`, so default output files do not land in
-        the repository. The exit code is the batch script's, or 128+signal when a signal ended it. The
-        output is the job's StdOut file, followed by its StdErr file when that is a different one.
+        cwd (the job's working directory) defaults to `workdir`, as for run(). The exit code is the
+        batch script's, or 128+signal when a signal ended it. The output is the job's StdOut file,
+        followed by its StdErr file when that is a different one.
         """
         submitted = self.run(
             ["sbatch", "--parsable", *sbatch_options, str(Path(script_path).resolve()), *script_args],
-            cwd=cwd or self.workdir, timeout=60,
+            cwd=cwd, timeout=60,
         )
         if submitted.returncode != 0:
             raise RuntimeError(f"sbatch failed ({submitted.returncode}): {submitted.stderr.strip()}")
@@ -231,7 +266,7 @@ class SlurmCluster:
                     f"job {job_id} still {job.get('JobState')} after {timeout} s; "
                     f"output so far:\n{self._job_output(job)}"
                 )
-            time.sleep(0.5)
+            time.sleep(0.2)
 
         status, _, sig = job.get("ExitCode", "0:0").partition(":")
         exit_code = int(status) or (128 + int(sig) if sig and int(sig) else 0)
@@ -246,19 +281,24 @@ class SlurmCluster:
         fields = re.findall(r"(\S+?)=(.*?)(?=\s+\S+?=|\s*$)", shown.stdout.strip())
         return dict(fields)
 
-    # ----------------------------------------------------------------- bring-up steps
+    def wait_for_idle_nodes(self, timeout: float = 30.0) -> None:
+        """Returns once sinfo shows every node idle (e.g. after a previous test's job); raises with logs if not."""
+        def states() -> dict[str, str]:
+            shown = self.run(["sinfo", "--noheader", "--Node", "--format=%N %T"], timeout=30)
+            return dict(line.split() for line in shown.stdout.splitlines() if line.strip())
 
-    def _client_env(self) -> dict[str, str]:
-        # Drop SLURM_* inherited from a real allocation the tests may run in: they would point
-        # our srun/sbatch at a job id that this cluster does not know.
-        env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
-        path = env.get("PATH", "").split(os.pathsep)
-        env["PATH"] = os.pathsep.join(path + [p for p in _SYSTEM_PATH if p not in path])
-        env["SLURM_CONF"] = str(self.conf)
-        return env
+        if not _wait_until(lambda: all(states().get(n) == "idle" for n in self.nodes), timeout, 0.3):
+            raise RuntimeError(
+                f"nodes not idle after {timeout} s: {states()}\n"
+                + "\n".join(self._log_tail(name) for name in
+                            ["slurmctld.log"] + [f"slurmd.{n}.log" for n in self.nodes])
+            )
+
+    # ----------------------------------------------------------------- bring-up steps
 
     def _make_dirs(self) -> None:
         self.root.mkdir(mode=0o755)
+        self._owns_root = True
         # The owner's pid lets a later session recognise this directory as stale if we get killed.
         (self.root / "owner.pid").write_text(f"{os.getpid()}\n")
         for sub in ("etc", "state", "spool", "log", "run", "gpu", "work", "munge"):
@@ -268,8 +308,7 @@ class SlurmCluster:
         shutil.chown(self.root / "munge", "munge", "munge")
 
     def _start_munged(self) -> None:
-        munge_dir = self.root / "munge"
-        self.munge_socket = munge_dir / "munge.socket"
+        munge_dir = self.munge_socket.parent
         self._spawn(
             [_which("munged"), "--foreground", "--force",
              f"--socket={self.munge_socket}", f"--pid-file={munge_dir}/munged.pid",
@@ -347,7 +386,8 @@ SlurmctldLogFile={root}/log/slurmctld.log
 SlurmdLogFile={root}/log/slurmd.%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
-# Short timers: tests wait on these.
+# Short timers: tests wait on these. Batch jobs would otherwise start up to 3 s after submission.
+SchedulerParameters=batch_sched_delay=0
 KillWait=2
 MinJobAge=300
 SlurmdTimeout=30
@@ -386,18 +426,6 @@ PartitionName={self.partition} Nodes={','.join(self.nodes)} Default=YES MaxTime=
             log=self.root / "log" / f"slurmd.{node}.out",
         )
 
-    def _wait_for_idle_nodes(self) -> None:
-        def states() -> dict[str, str]:
-            shown = self.run(["sinfo", "--noheader", "--Node", "--format=%N %T"], timeout=30)
-            return dict(line.split() for line in shown.stdout.splitlines() if line.strip())
-
-        if not _wait_until(lambda: all(states().get(n) == "idle" for n in self.nodes), self.start_timeout, 0.3):
-            raise RuntimeError(
-                f"nodes not idle after {self.start_timeout} s: {states()}\n"
-                + "\n".join(self._log_tail(name) for name in
-                            ["slurmctld.log"] + [f"slurmd.{n}.log" for n in self.nodes])
-            )
-
     def _spawn(self, argv: list[str], log: Path, **popen_kwargs) -> None:
         with open(log, "ab") as out:
             self._children.append(subprocess.Popen(
@@ -434,65 +462,68 @@ def _teardown(root: Path, tag: str) -> None:
     in-memory state. Every step runs even if an earlier one failed.
     """
     conf = root / "etc" / "slurm.conf"
-    netns = [f"{_NAME_PREFIX}-{tag}-{node}" for node in SlurmCluster.nodes]
+    netns = [_netns_name(tag, node) for node in SlurmCluster.nodes]
     errors = []
-
-    def step(action, *args):
-        try:
-            action(*args)
-        except Exception as error:  # teardown must go on; the errors are reported at the end
-            errors.append(f"{getattr(action, '__name__', action)}{args}: {error}")
 
     def cancel_jobs():
         # Lets slurmd end the job steps in order; whatever remains is killed with the namespaces.
-        if conf.exists() and _daemon_pids(root, "slurmctld.pid"):
-            env = dict(os.environ, SLURM_CONF=str(conf))
-            subprocess.run(["scancel", "--full", f"--partition={SlurmCluster.partition}"], env=env,
-                           capture_output=True, timeout=30)
-            def queue_empty():
-                shown = subprocess.run(["squeue", "--noheader"], env=env, capture_output=True,
-                                       text=True, timeout=30)
-                return shown.returncode != 0 or not shown.stdout.strip()
-            _wait_until(queue_empty, timeout=10, interval=0.3)
+        if not (conf.exists() and _daemon_pids(root, "run/slurmctld.pid")):
+            return
+        env = _cluster_env(conf)
+        subprocess.run(["scancel", "--full", f"--partition={SlurmCluster.partition}"],
+                       env=env, capture_output=True, timeout=30)
 
-    def stop_namespaces():
-        pids = _daemon_pids(root, *(f"slurmd.{node}.pid" for node in SlurmCluster.nodes))
+        def queue_empty() -> bool:
+            shown = subprocess.run(["squeue", "--noheader"], env=env, capture_output=True, text=True, timeout=30)
+            return shown.returncode != 0 or not shown.stdout.strip()
+        _wait_until(queue_empty, timeout=10, interval=0.3)
+
+    def stop_node_processes():
+        # slurmd, slurmstepd and every job process live in the node namespaces.
+        pids = _daemon_pids(root, *(f"run/slurmd.{node}.pid" for node in SlurmCluster.nodes))
         for ns in netns:
             listed = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
             pids += [int(pid) for pid in listed if pid.isdigit()]
         _terminate(pids)
 
     def remove_network():
-        existing = _sh("ip", "netns", "list", check=False).stdout
+        existing = _sh("ip", "netns", "list", check=False).stdout.split()
         for ns in netns:
-            if re.search(rf"^{re.escape(ns)}\b", existing, re.MULTILINE):
+            if ns in existing:
                 _sh("ip", "netns", "delete", ns)
-        # Deleting a namespace deletes its veth end and so the pair; delete explicitly in case not.
-        for i, _ in enumerate(SlurmCluster.nodes, 1):
-            _sh("ip", "link", "delete", f"sltv{tag}{i}", check=False)
-        _sh("ip", "link", "delete", f"sltb{tag}", check=False)
+        # Deleting a namespace deletes the veth pair with it, unless a process still holds the
+        # namespace: delete the host ends explicitly too.
+        for index, _ in enumerate(SlurmCluster.nodes, 1):
+            _sh("ip", "link", "delete", _veth_name(tag, index), check=False)
+        _sh("ip", "link", "delete", _bridge_name(tag), check=False)
 
-    step(cancel_jobs)
-    step(stop_namespaces)  # slurmd and every job process: all of them live in the node namespaces
-    step(lambda: _terminate(_daemon_pids(root, "slurmctld.pid")))
-    step(lambda: _terminate(_daemon_pids(root, "munge/munged.pid")))
-    step(remove_network)
-    step(shutil.rmtree, root, True)
+    steps = [
+        ("cancel jobs", cancel_jobs),
+        ("stop node processes", stop_node_processes),
+        ("stop slurmctld", lambda: _terminate(_daemon_pids(root, "run/slurmctld.pid"))),
+        ("stop munged", lambda: _terminate(_daemon_pids(root, "munge/munged.pid"))),
+        ("remove network", remove_network),
+        ("remove files", lambda: shutil.rmtree(root, ignore_errors=True)),
+    ]
+    for label, action in steps:
+        try:
+            action()
+        except Exception as error:  # teardown goes on; what failed is reported at the end
+            errors.append(f"{label}: {error}")
     if errors:
         raise RuntimeError(f"teardown of {root} incomplete: " + "; ".join(errors))
 
 
 def _daemon_pids(root: Path, *pid_files: str) -> list[int]:
-    """PIDs from pid files under root/run (or root/), only those whose command line names root.
+    """PIDs read from pid files under root, only of running processes whose command line names root.
 
     The command-line check keeps a stale pid file from making us kill an unrelated process that
     got the same PID later.
     """
     pids = []
     for name in pid_files:
-        path = root / name if "/" in name else root / "run" / name
         try:
-            pid = int(path.read_text().split()[0])
+            pid = int((root / name).read_text().split()[0])
         except (OSError, ValueError, IndexError):
             continue
         if _is_running(pid) and str(root) in _cmdline(pid):
