@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Set up (or check) everything the course needs; idempotent, safe to run again.  Sourced by quickstart.sh and
+# run_tests.sh.  Respects: PYTHON (interpreter for the venv, default python3), VENV (default .venv),
+# COURSE_DATA_DIR (where datasets go, default data/), DATASET (default fashion-mnist).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$REPO/.venv}"
+PY="$VENV/bin/python"
+DATASET="${DATASET:-fashion-mnist}"
+
+say() { printf '==> %s\n' "$*"; }
+
+as_root() {  # run a command as root if we are root or have password-less sudo; else fail
+  if [ "$(id -u)" -eq 0 ]; then "$@"; elif sudo -n true 2>/dev/null; then sudo "$@"; else return 1; fi
+}
+
+if [ ! -x "$PY" ]; then
+  say "creating the virtual environment $VENV"
+  "${PYTHON:-python3}" -m venv "$VENV" || {
+    echo "error: could not create a venv; on Debian/Ubuntu: apt-get install python3-venv" >&2; exit 1; }
+fi
+
+# Reinstall only when a requirements file changed since the last successful install.
+stamp="$VENV/.course-requirements"
+want="$(cat "$REPO"/requirements*.txt | sha256sum | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  say "installing requirements into $VENV (torch is large: a few minutes the first time)"
+  "$PY" -m pip install --quiet --upgrade pip
+  "$PY" -m pip install --quiet -r "$REPO/requirements.txt" -r "$REPO/requirements-test.txt"
+  echo "$want" > "$stamp"
+fi
+
+# The dataset: Debian's package if we can install it, otherwise prepare_data.py tries a download.
+if [ "$DATASET" = fashion-mnist ] && [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null \
+   && ! "$PY" -c "import sys; sys.path.insert(0, '$REPO'); from data_tools.datasets import require; require('$DATASET')" 2>/dev/null; then
+  say "installing Debian's dataset-fashion-mnist (needs root; skipped otherwise)"
+  as_root apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
+    || { as_root apt-get update -q >/dev/null 2>&1 && as_root apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1; } \
+    || say "could not install it; trying a download instead"
+fi
+"$PY" "$REPO/data_tools/prepare_data.py" --dataset "$DATASET"
