@@ -33,6 +33,7 @@ from course.evaluate import evaluate
 from course.launch import backend_for, launch, setup_device
 from course.models import build_model
 from course.output import plot_curves, rank_print, save_weights, write_json
+from course.profiling import add_profile_args, maybe_profile
 from data_tools.datasets import InMemoryMNIST, batches, require
 
 
@@ -76,6 +77,7 @@ def worker(info, args):
     shards = [None] * world_size
     dist.all_gather_object(shards, list(sampler))  # epoch 0's shards, to show (and test) they are disjoint
 
+    prof = maybe_profile(args, rank, device)  # --profile: lesson 5's traces and TensorBoard scalars
     losses, step, start = [], 0, time.perf_counter()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
@@ -87,15 +89,18 @@ def worker(info, args):
             optimizer.step()
             losses.append(loss.detach())
             step += 1
+            prof.step(loss, world_size * len(y))
             if step == args.max_steps:
                 break
         accuracy, test_loss, counted = evaluate(model, test_set, rank, world_size)
+        prof.epoch(epoch, accuracy, test_loss)
         if rank == 0:
             rank_print(rank, f"epoch {epoch}: test loss {test_loss:.4f}, test accuracy {accuracy:.4f} "
                              f"({counted} test images, each counted once)")
         if step == args.max_steps:
             break
     seconds = time.perf_counter() - start
+    prof.close()
     rank_print(rank, f"{step} steps on {len(sampler)} samples per epoch in {seconds:.1f} s")
 
     losses = torch.stack(losses)
@@ -124,7 +129,7 @@ def build_parser():
     p = cli.add_distributed(cli.parser(__doc__, "day1/4_mnist_manual_ddp.py", nproc_default=2))
     p.add_argument("--sync", default="per-param", choices=("per-param", "flat"),
                    help="per-param: one all_reduce per parameter tensor; flat: one for all gradients")
-    return p
+    return add_profile_args(p)
 
 
 if __name__ == "__main__":

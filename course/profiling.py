@@ -1,0 +1,294 @@
+"""Profiling plumbing: lesson 5's profiler and scalars behind a `--profile` flag, and reading traces back.
+
+Lesson 5 teaches torch.profiler and SummaryWriter inline; this module repeats the same setup for the lessons
+that only offer it as an option (`--profile` on 4, 6 and 10), and reads the traces back to count what the
+gradient synchronization costs (lesson 5's `--compare` table).
+
+A trace is Chrome's trace-event JSON, {"traceEvents": [{"name", "cat", "ph", "ts", "dur", "tid", "args"},
+...]}, times in microseconds.  What we read from it:
+- `ProfilerStep#N` (written by `prof.step()`): one interval per profiled training step, on the main thread;
+- `c10d::allreduce_`: one per all_reduce call, with the tensors' shapes (`record_shapes=True`);
+- `gloo:all_reduce` (CPU) or `nccl...` kernels (GPU): the collective actually running, on gloo's own
+  threads or on a CUDA stream; its duration includes waiting for the slowest rank;
+- `autograd::engine::evaluate_function: ...` on the main thread: backward computing gradients.
+"""
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+TRACE_GLOBS = ("rank*.pt.trace.json", "rank*.pt.trace.json.gz", "events.out.tfevents.*",
+               "chrome_trace/rank*.json", "rank*.key_averages.txt")
+SCHEDULE = {"wait": 1, "warmup": 1, "active": 3}  # lesson 5 explains the three numbers
+
+
+def add_profile_args(p):
+    """`--profile` and `--log-dir` for lessons that offer profiling as an option (lesson 5 explains it)."""
+    p.add_argument("--profile", action="store_true",
+                   help=f"trace training steps {SCHEDULE['wait'] + SCHEDULE['warmup'] + 1}-"
+                        f"{sum(SCHEDULE.values())} with torch.profiler (one trace per rank) and write "
+                        "TensorBoard scalars, as lesson 5 does")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="where --profile writes traces and scalars (default: the run dir)")
+    return p
+
+
+def writable_log_dir(log_dir) -> Path:
+    """Create `log_dir` (before any rank starts), or say in one line why it cannot be."""
+    import os
+
+    from course.cli import CourseError
+
+    log_dir = Path(log_dir)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(log_dir, os.W_OK):
+            raise PermissionError("not writable")
+    except OSError as e:
+        raise CourseError(f"log dir {log_dir} cannot be written ({e.strerror or e}); "
+                          "choose another with --log-dir") from None
+    return log_dir
+
+
+def clear_previous(log_dir: Path) -> None:
+    """Remove the traces and event files an earlier run left in `log_dir` (only those).
+
+    TensorBoard merges every file of a directory into one run: old traces would show up as extra spans and
+    old scalars as a zigzag over the new ones.  Choose another log dir to keep an earlier run.
+    """
+    for pattern in TRACE_GLOBS:
+        for path in Path(log_dir).glob(pattern):
+            path.unlink(missing_ok=True)
+
+
+def view_hint(log_dir, traces="chrome_trace/rank*.json") -> str:
+    return (f"view with: tensorboard --logdir {log_dir} --host 127.0.0.1   "
+            f"(traces also open in https://ui.perfetto.dev: {Path(log_dir) / traces})")
+
+
+class _Off:
+    """--profile not given: every call does nothing, and neither the profiler nor tensorboard is imported."""
+
+    def step(self, loss=None, samples=0):
+        pass
+
+    def epoch(self, epoch, accuracy, test_loss):
+        pass
+
+    def close(self):
+        pass
+
+
+class _Profiling:
+    def __init__(self, log_dir: Path, rank: int, device):
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        self.rank, self.log_dir = rank, Path(log_dir)
+        handler = tensorboard_trace_handler(str(self.log_dir), worker_name=f"rank{rank}")
+
+        def trace_ready(prof):
+            handler(prof)
+            (self.log_dir / "chrome_trace").mkdir(parents=True, exist_ok=True)
+            trace = max(self.log_dir.glob(f"rank{rank}.*.pt.trace.json"), key=lambda p: p.stat().st_mtime)
+            shutil.copyfile(trace, self.log_dir / "chrome_trace" / f"rank{rank}.json")
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.profiler = profile(activities=activities, schedule=schedule(**SCHEDULE, repeat=1),
+                                on_trace_ready=trace_ready, record_shapes=True, profile_memory=True,
+                                with_stack=True)
+        self.writer = None
+        if rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.log_dir))
+        self.steps, self.samples = 0, 0
+        self.epoch_start = self.last_step = time.perf_counter()
+        self.profiler.start()
+
+    def step(self, loss=None, samples=0):
+        self.profiler.step()
+        self.steps += 1
+        self.samples += samples
+        self.last_step = time.perf_counter()
+        if self.writer is not None and loss is not None:
+            self.writer.add_scalar("train/loss_rank0", loss.item(), self.steps)
+
+    def epoch(self, epoch, accuracy, test_loss):
+        seconds = self.last_step - self.epoch_start  # the epoch's training steps, not the evaluation
+        if self.writer is not None:
+            self.writer.add_scalar("test/accuracy", accuracy, epoch)
+            self.writer.add_scalar("test/loss", test_loss, epoch)
+            self.writer.add_scalar("perf/epoch_seconds", seconds, epoch)
+            self.writer.add_scalar("perf/samples_per_second", self.samples / seconds, epoch)
+            self.writer.flush()
+        self.samples, self.epoch_start = 0, time.perf_counter()
+
+    def close(self):
+        self.profiler.stop()
+        if self.writer is not None:
+            self.writer.close()
+            print(f"[rank 0] profile of steps {SCHEDULE['wait'] + SCHEDULE['warmup'] + 1}-"
+                  f"{sum(SCHEDULE.values())} and scalars in {self.log_dir}; {view_hint(self.log_dir)}",
+                  flush=True)
+
+
+def maybe_profile(args, rank: int, device):
+    """Lesson 5's profiler + SummaryWriter when `--profile` was given, else an object that does nothing.
+
+    Usage: `prof = maybe_profile(args, rank, device)`, `prof.step(loss, samples)` after each optimizer step,
+    `prof.epoch(epoch, accuracy, test_loss)` after each evaluation, `prof.close()` after training.
+    `samples` is the global number of samples of the step; it gives samples/s per epoch.
+    """
+    if not getattr(args, "profile", False):
+        return _Off()
+    log_dir = Path(args.log_dir or args.run_dir)
+    if rank == 0:
+        clear_previous(writable_log_dir(log_dir))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()  # nobody writes its trace before rank 0 has cleared the old ones
+    return _Profiling(log_dir, rank, device)
+
+
+# --- reading traces back ------------------------------------------------------------------------------------
+
+def load_trace(path) -> dict:
+    import gzip
+
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def _merge(intervals):
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _subtract(intervals, holes):
+    """The parts of merged `intervals` not covered by merged `holes`."""
+    out = []
+    for start, end in intervals:
+        for h_start, h_end in holes:
+            if h_end <= start or h_start >= end:
+                continue
+            if h_start > start:
+                out.append([start, h_start])
+            start = max(start, h_end)
+            if start >= end:
+                break
+        if start < end:
+            out.append([start, end])
+    return out
+
+
+def _overlap(a, b) -> float:
+    """Total length of the intersection of two merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _numel(dims) -> int:
+    """Elements of the tensors in a recorded input: a shape [..] or a tensor list [[..], [..]]."""
+    if not dims:
+        return 0
+    if isinstance(dims[0], list):
+        return sum(_numel(d) for d in dims)
+    return math.prod(dims)
+
+
+def rank_comm_stats(trace: dict, bytes_per_element: int = 4) -> dict:
+    """What one rank's trace says about its gradient all_reduces, per profiled step.
+
+    bytes assume float32 gradients (both course models).  Comm time is the collective's own duration:
+    on the CPU the gloo thread's `gloo:all_reduce`, on a GPU the NCCL kernels.
+    """
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    steps = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith("ProfilerStep#")]
+    if not steps:
+        raise ValueError("no ProfilerStep events: was prof.step() called inside the profiled window?")
+    main_tid = next(e["tid"] for e in events if e["name"].startswith("ProfilerStep#"))
+
+    def in_steps(e):
+        return any(start <= e["ts"] < end for start, end in steps)
+
+    calls = [e for e in events
+             if e.get("cat") == "cpu_op" and e["name"] == "c10d::allreduce_" and in_steps(e)]
+    elements = sum(_numel((e.get("args", {}).get("Input Dims") or [[]])[0]) for e in calls)
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if kernels:  # on GPUs the collective is an NCCL kernel; compute is every other kernel.  Kernels run
+        # after the CPU launched them, maybe after its ProfilerStep ended: take all of the trace's kernels
+        comm = [e for e in kernels if "nccl" in e["name"].lower()]
+        compute = _merge([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()])
+    else:  # on the CPU, gloo runs the collective on its own threads; backward runs on the main thread
+        comm = [e for e in events if e["name"].startswith("gloo:") and in_steps(e)]
+        backward = _merge([(e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == main_tid
+                           and e["name"].startswith("autograd::engine::evaluate_function:") and in_steps(e)])
+        # a DDP hook launches (and on the last bucket waits for) the all_reduce from inside backward:
+        # that time is communication, not gradient computation
+        launches = _merge([(e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == main_tid
+                           and e["name"].startswith("c10d::") and in_steps(e)])
+        compute = _subtract(backward, launches)
+    comm_intervals = _merge([(e["ts"], e["ts"] + e["dur"]) for e in comm])
+    comm_time = sum(end - start for start, end in comm_intervals)
+    n = len(steps)
+    return {"steps": n,
+            "comm_durations_us": [e["dur"] for e in sorted(comm, key=lambda e: e["ts"])],
+            "all_reduce_per_step": len(calls) / n,
+            "collectives_per_step": len(comm) / n,
+            "bytes_per_step": elements * bytes_per_element / n,
+            "comm_ms_per_step": comm_time / n / 1000,
+            "overlap_ms_per_step": _overlap(comm_intervals, compute) / n / 1000,
+            "step_ms": sum(end - start for start, end in steps) / n / 1000}
+
+
+def comm_summary(log_dir) -> dict:
+    """rank_comm_stats of every rank's chrome trace in `log_dir`, averaged over the ranks.
+
+    transfer_ms_per_step: every rank takes part in the same collectives in the same order; the i-th one
+    lasts, on the rank that arrived last, only as long as moving the data takes, so its shortest duration
+    over the ranks is the transfer time and the rest, on the other ranks, is waiting (TensorBoard's
+    Distributed view splits it the same way: "Data Transfer Time" and "Synchronizing Time").
+    """
+    paths = sorted(Path(log_dir).glob("chrome_trace/rank*.json"))
+    if not paths:
+        raise FileNotFoundError(f"no chrome_trace/rank*.json in {log_dir}")
+    per_rank = [rank_comm_stats(load_trace(p)) for p in paths]
+    durations = [r.pop("comm_durations_us") for r in per_rank]
+    summary = {k: sum(r[k] for r in per_rank) / len(per_rank) for k in per_rank[0]}
+    summary["ranks"] = len(per_rank)
+    if len({len(d) for d in durations}) == 1:
+        summary["transfer_ms_per_step"] = sum(map(min, zip(*durations))) / summary["steps"] / 1000
+    else:  # the ranks' traces do not hold the same collectives: no pairing
+        summary["transfer_ms_per_step"] = float("nan")
+    summary["overlap_fraction"] = (summary["overlap_ms_per_step"] / summary["comm_ms_per_step"]
+                                   if summary["comm_ms_per_step"] else 0.0)
+    return summary
+
+
+def comm_table(rows: dict) -> str:
+    """A text table: one row per synchronization variant, from comm_summary."""
+    head = (f"{'sync':<10} {'all_reduce':>10} {'KB':>8} {'comm ms':>8} {'of which':>9} {'overlap with':>13} "
+            f"{'step ms':>8}\n"
+            f"{'':<10} {'per step':>10} {'per step':>8} {'per step':>8} {'transfer':>9} {'backward':>13} "
+            f"{'':>8}")
+    lines = [head]
+    for name, s in rows.items():
+        lines.append(f"{name:<10} {s['all_reduce_per_step']:>10.1f} {s['bytes_per_step'] / 1000:>8.1f} "
+                     f"{s['comm_ms_per_step']:>8.2f} {s['transfer_ms_per_step']:>9.2f} "
+                     f"{100 * s['overlap_fraction']:>12.0f}% {s['step_ms']:>8.2f}")
+    return "\n".join(lines)
