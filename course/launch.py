@@ -10,14 +10,22 @@ MASTER_PORT in the environment, ready for `dist.init_process_group(...)`, which 
 Lesson 0 explains processes and ranks; lesson 9 reads the Slurm variables by hand.
 """
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from course.cli import CourseError
+from data_tools.datasets import DataError
+
+# A SIGTERM (kill, scancel, a time limit) or SIGUSR1 (sbatch --signal) sent to `python lesson.py --nproc N`
+# reaches only the parent: it passes them on to its ranks, as torchrun does with SIGTERM (lesson 12).
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,25 @@ def detect_launcher() -> str:
     if "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:
         return "srun"
     return "self"
+
+
+def how_to_launch(lesson: str, lesson_args: str = "") -> str:
+    """What to type to start a multi-node lesson (day 2), which never spawns its own workers."""
+    name, args = Path(lesson).name, f" {lesson_args}" if lesson_args else ""
+    inside = ""
+    if "SLURM_JOB_ID" in os.environ:  # a batch script's shell or salloc's shell: a job, but not an srun step
+        inside = (f"\n  you are inside Slurm job {os.environ['SLURM_JOB_ID']} but not in a job step: "
+                  f"start the ranks with srun or the script below")
+    return (f"this multi-node lesson does not start its own processes; launch it with{inside}\n"
+            f"  Slurm:        salloc --nodes 2 --ntasks-per-node=4 --time=00:30:00   (then, in that shell)\n"
+            f"                ./day2/multinode_setup_and_run.sh {name}{args}\n"
+            f"  one machine:  torchrun --standalone --nproc_per_node=4 {lesson}{args}")
+
+
+def require_launcher(lesson: str, lesson_args: str = "") -> None:
+    """Multi-node lessons need torchrun or srun: plain `python lesson.py` stops with how_to_launch()."""
+    if detect_launcher() == "self":
+        raise CourseError(how_to_launch(lesson, lesson_args))
 
 
 def free_port() -> int:
@@ -68,11 +95,49 @@ def slurm_master_port() -> int:
 
 def _check_port_free(addr: str, port: int) -> None:
     with socket.socket() as s:
+        # As the TCPStore does: a port left in TIME_WAIT by the previous job step (srun after srun in one
+        # job, same job id, same port) is free to listen on; only a live listener counts as in use.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
         except OSError:
             raise CourseError(f"port {port} on {addr} is already in use (another job or user?); "
                               f"choose another with MASTER_PORT=<free port>") from None
+
+
+def _check_master_addr_is_here(addr: str) -> None:
+    """Rank 0 hosts the store at MASTER_ADDR: an address of another machine would only fail after --timeout."""
+    try:
+        ip = socket.gethostbyname(addr)
+        with socket.socket() as s:
+            s.bind((ip, 0))
+    except OSError as e:
+        raise CourseError(f"rank 0 runs on {socket.gethostname()}, but MASTER_ADDR={addr} is not an address of "
+                          f"this host ({e.strerror or e}); unset MASTER_ADDR (the first node of the job is "
+                          f"taken) or set it to rank 0's hostname") from None
+
+
+def _wait_for_rank0(rank: int, timeout) -> None:
+    """Connect to rank 0's store at MASTER_ADDR:MASTER_PORT until it answers or `timeout` seconds pass.
+
+    init_process_group does the same, but an unreachable address costs it up to twice its timeout, and it
+    fails with a traceback; this fails within the timeout, with one line that says what to check.
+    """
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    deadline = time.monotonic() + (timeout or 300)
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, min(left, 5))).close()
+            return
+        except OSError as e:  # refused (rank 0 not listening yet), unreachable, unknown name, timed out
+            last = e.strerror or str(e) or type(e).__name__
+        if left <= 0:
+            raise CourseError(f"rank {rank} could not reach rank 0 at MASTER_ADDR={addr} MASTER_PORT={port} within "
+                              f"--timeout {timeout or 300:g} s ({last}); MASTER_ADDR must be rank 0's host, "
+                              f"reachable from this node (check the name, a firewall, GLOO_SOCKET_IFNAME/"
+                              f"NCCL_SOCKET_IFNAME), and rank 0 must have started") from None
+        time.sleep(min(0.2, max(left, 0)))
 
 
 def _srun_info() -> RankInfo:
@@ -85,6 +150,7 @@ def _srun_info() -> RankInfo:
     os.environ.setdefault("MASTER_ADDR", slurm_master_addr())
     os.environ.setdefault("MASTER_PORT", str(slurm_master_port()))
     if rank == 0:
+        _check_master_addr_is_here(os.environ["MASTER_ADDR"])
         _check_port_free(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     return RankInfo(rank, local_rank, world, local_world, int(env.get("SLURM_NODEID", 0)), "srun")
 
@@ -101,9 +167,22 @@ def _run(worker, info: RankInfo, args):
         # ranks on one node share its cores; oversubscribing them makes every rank slower
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
     try:
+        if info.launcher != "self" and info.rank != 0 and info.world_size > 1:
+            _wait_for_rank0(info.rank, getattr(args, "timeout", None))
         return worker(info, args)
-    except CourseError as e:
+    except (CourseError, DataError) as e:
         print(f"[rank {info.rank}] error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except torch.distributed.DistError as e:  # gloo/NCCL/store failures: one line, not a C++ traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if torch.distributed.is_initialized():
+            what = ("communication with the other ranks failed; another rank probably crashed or was killed "
+                    "(see its messages)")
+        else:
+            what = (f"the process group could not be set up with rank 0 at {os.environ.get('MASTER_ADDR')}:"
+                    f"{os.environ.get('MASTER_PORT')} within --timeout; check MASTER_ADDR/MASTER_PORT and that "
+                    f"every rank was started with the same world size")
+        print(f"[rank {info.rank}] error: {what} ({type(e).__name__}: {first})", file=sys.stderr, flush=True)
         sys.exit(1)
 
 
@@ -120,21 +199,51 @@ def launch(worker, args, nproc: int = None) -> None:
         _run(worker, _srun_info(), args)
     else:
         nproc = args.nproc if nproc is None else nproc
+        _check_gpus(args, nproc)
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(free_port())
         if nproc == 1:
             _run(worker, RankInfo(0, 0, 1, 1, 0, "self"), args)
             return
+        ranks = torch.multiprocessing.start_processes(_spawned, args=(worker, nproc, args), nprocs=nproc,
+                                                      join=False, start_method="spawn")
+        previous = {sig: signal.signal(sig, lambda signum, _: _signal_all(ranks.pids(), signum))
+                    for sig in FORWARDED_SIGNALS}
         try:
-            torch.multiprocessing.spawn(_spawned, args=(worker, nproc, args), nprocs=nproc, join=True)
+            while not ranks.join():
+                pass
         except torch.multiprocessing.ProcessExitedException as e:
-            # mp.spawn has already terminated the other ranks: one failed rank ends the job
-            raise CourseError(f"rank {e.error_index} exited with code {e.exit_code}; "
-                              "the other ranks were stopped") from None
+            # join() has already terminated the other ranks: one failed rank ends the job
+            how = (f"was killed by {signal.Signals(-e.exit_code).name}" if e.exit_code < 0
+                   else f"exited with code {e.exit_code}")
+            raise CourseError(f"rank {e.error_index} {how}; the other ranks were stopped") from None
         except torch.multiprocessing.ProcessRaisedException as e:
             last = str(e).strip().splitlines()[-1]
             print(str(e), file=sys.stderr)
             raise CourseError(f"rank {e.error_index} failed: {last}; the other ranks were stopped") from None
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _check_gpus(args, nproc: int) -> None:
+    """Before spawning: the errors setup_device/backend_for would raise in every rank, as one line."""
+    wants_gpu = getattr(args, "device", "auto") == "cuda" or getattr(args, "backend", "auto") == "nccl"
+    if wants_gpu:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if nproc > gpus:
+            what = "--backend nccl" if getattr(args, "backend", "auto") == "nccl" else "--device cuda"
+            fix = f"use --nproc {gpus}, or --backend gloo --device cpu" if gpus else "use --backend gloo --device cpu"
+            raise CourseError(f"{what} with {nproc} ranks needs {nproc} GPUs (one per rank), this machine has "
+                              f"{gpus}; {fix}")
+
+
+def _signal_all(pids, signum) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:  # that rank has already ended
+            pass
 
 
 def setup_device(device: str, local_rank: int) -> torch.device:
@@ -145,7 +254,10 @@ def setup_device(device: str, local_rank: int) -> torch.device:
         if not torch.cuda.is_available():
             raise CourseError("--device cuda was asked for but no GPU is visible; use --device cpu")
         n = torch.cuda.device_count()
-        if local_rank >= n:
+        if n == 1 and local_rank > 0 and os.environ.get("SLURM_GPUS_PER_TASK"):
+            # srun --gpus-per-task=1 binds each task to its own GPU, which the task sees as cuda:0
+            local_rank = 0
+        elif local_rank >= n:
             raise CourseError(f"local rank {local_rank} needs GPU {local_rank} but this node has {n} visible; "
                               f"launch at most {n} ranks per node, or use --device cpu")
         torch.cuda.set_device(local_rank)  # before init: NCCL binds each rank to its own GPU

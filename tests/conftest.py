@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["slurm_fixture"]  # the real two-node Slurm cluster (tests/slurm_cluster.py)
+# fixtures: slurm_cluster (a real two-node Slurm, tests/slurm_cluster.py), the chunked HDF5 file of day 2
+pytest_plugins = ["slurm_fixture", "h5_fixture"]
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable

@@ -1,0 +1,195 @@
+"""Streaming the chunked HDF5 file (data_tools/h5layout.py) across ranks: lesson 11's sampler and datasets.
+
+How an epoch is read, and why:
+1. The unit of work is one chunk, not one sample.  HDF5 reads (and decompresses) whole chunks, so reading
+   samples c*K .. c*K+K-1 costs one chunk, while K random single-sample reads would each pay for a chunk.
+   Every read here starts on a chunk boundary and covers exactly one chunk (the last one may be shorter).
+2. Chunk ids are shuffled with seed + epoch, the same permutation on every rank, and dealt round-robin:
+   rank r of W reads chunks perm[r], perm[r+W], ...  Together the ranks read every chunk exactly once, so
+   every sample is seen once per epoch, and nothing is padded.  Then the samples of each chunk are shuffled.
+   The price: chunk counts may differ by one between ranks (lesson 11 uses DDP's join() for that).
+3. The file is opened lazily, by the process that reads it.  An open h5py handle must not be inherited
+   across fork() or pickled into DataLoader workers: each worker opens its own on its first read.
+"""
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data_tools.datasets import spec
+from data_tools.h5layout import H5LayoutError, read_layout
+
+
+# ----------------------------------------------------------------------------------------- order
+
+class ChunkShardSampler(torch.utils.data.Sampler):
+    """This rank's chunks for one epoch, as (chunk id, shuffle seed) tasks for a chunk dataset.
+
+    All chunks are permuted with seed + epoch (identical on every rank, like DistributedSampler) and rank r
+    takes every W-th one.  The shuffle seed of a chunk depends only on (seed, epoch, chunk), so the order of
+    samples is a pure function of the arguments: the same whichever rank or DataLoader worker reads it.
+    """
+
+    def __init__(self, num_samples: int, chunk_samples: int, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, shuffle: bool = True):
+        if num_samples < 1 or chunk_samples < 1:
+            raise ValueError("num_samples and chunk_samples must be positive")
+        self.num_samples, self.chunk_samples = num_samples, chunk_samples
+        self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
+        self.num_chunks = -(-num_samples // chunk_samples)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def chunk_order(self) -> list:
+        """The epoch's order of all chunks (before they are dealt to ranks)."""
+        if not self.shuffle:
+            return list(range(self.num_chunks))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_chunks, generator=g).tolist()
+
+    def my_chunks(self) -> list:
+        return self.chunk_order()[self.rank::self.world_size]
+
+    def chunk_size(self, chunk: int) -> int:
+        return min(self.chunk_samples, self.num_samples - chunk * self.chunk_samples)
+
+    def num_rank_samples(self) -> int:
+        """Samples this rank gets this epoch (ranks differ by up to one chunk)."""
+        return sum(self.chunk_size(c) for c in self.my_chunks())
+
+    def __iter__(self):
+        for chunk in self.my_chunks():
+            yield chunk, (_chunk_seed(self.seed, self.epoch, chunk) if self.shuffle else None)
+
+    def __len__(self):
+        return len(range(self.rank, self.num_chunks, self.world_size))
+
+
+def _chunk_seed(seed: int, epoch: int, chunk: int) -> int:
+    digest = hashlib.sha256(f"{seed},{epoch},{chunk}".encode()).digest()
+    return int.from_bytes(digest[:7], "little")
+
+
+def chunk_permutation(n: int, shuffle_seed) -> torch.Tensor:
+    if shuffle_seed is None:
+        return torch.arange(n)
+    g = torch.Generator()
+    g.manual_seed(shuffle_seed)
+    return torch.randperm(n, generator=g)
+
+
+# ----------------------------------------------------------------------------------------- reading
+
+class H5Chunks(torch.utils.data.Dataset):
+    """Item (chunk, shuffle_seed) -> (indices, images uint8 [n,28,28], labels int64 [n]), shuffled within.
+
+    One h5py read per array per chunk, aligned to the file's chunks.  `limit` keeps the first samples only
+    (--train-samples); the last chunk is then cut short, never padded.
+    """
+
+    def __init__(self, path, split: str, limit: int = 0):
+        self.layout = read_layout(path)  # opened, checked and closed here, before any worker exists
+        self.path, self.split = Path(path), split
+        self.chunk_samples = self.layout.chunk_samples
+        self.num_samples = min(limit, self.layout.sizes[split]) if limit else self.layout.sizes[split]
+        self._file = None
+        self._pid = None
+
+    def __getstate__(self):  # a DataLoader worker started by spawn/forkserver gets no open handle
+        return {**self.__dict__, "_file": None, "_pid": None}
+
+    def _open(self):
+        import h5py
+
+        if self._file is None or self._pid != os.getpid():  # first read in this process (or after a fork)
+            self._file = h5py.File(self.path, "r", locking=False)
+            self._pid = os.getpid()
+        return self._file
+
+    def __len__(self):
+        return -(-self.num_samples // self.chunk_samples)
+
+    def __getitem__(self, task):
+        chunk, shuffle_seed = task
+        start = chunk * self.chunk_samples
+        stop = min(start + self.chunk_samples, self.num_samples)
+        if not 0 <= start < stop:
+            raise IndexError(f"chunk {chunk} out of range (0..{len(self) - 1})")
+        f = self._open()
+        try:
+            images = f[f"{self.split}/images"][start:stop]  # one read of exactly one HDF5 chunk
+            labels = f[f"{self.split}/labels"][start:stop]
+        except OSError as e:  # e.g. a chunk whose checksum does not match: the file was damaged
+            raise H5LayoutError(self.path, f"chunk {chunk} of {self.split} is damaged or unreadable: {e}",
+                                self.layout.dataset, self.chunk_samples) from None
+        order = chunk_permutation(stop - start, shuffle_seed)
+        return (torch.arange(start, stop)[order], torch.from_numpy(images)[order],
+                torch.from_numpy(labels.astype(np.int64))[order])
+
+
+class MemoryChunks(torch.utils.data.Dataset):
+    """The same items as H5Chunks, cut from uint8 tensors already in memory (load_split's arrays)."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, chunk_samples: int, limit: int = 0):
+        n = min(limit, len(labels)) if limit else len(labels)
+        self.images, self.labels = images[:n], labels[:n]
+        self.chunk_samples, self.num_samples = chunk_samples, n
+
+    def __len__(self):
+        return -(-self.num_samples // self.chunk_samples)
+
+    def __getitem__(self, task):
+        chunk, shuffle_seed = task
+        start = chunk * self.chunk_samples
+        stop = min(start + self.chunk_samples, self.num_samples)
+        order = chunk_permutation(stop - start, shuffle_seed)
+        index = torch.arange(start, stop)[order]
+        return index, self.images[index], self.labels[index]
+
+
+def rebatch(chunks, batch_size: int):
+    """Cut a stream of (indices, images, labels) chunks into batches of `batch_size`; the last may be short.
+
+    A batch may span two chunks; nothing is dropped or repeated.  Batches are views: one copy per chunk.
+    """
+    left = None  # what the previous chunks left over, fewer than batch_size samples
+    for chunk in chunks:
+        left = chunk if left is None else tuple(torch.cat(pair) for pair in zip(left, chunk))
+        while len(left[0]) >= batch_size:
+            yield tuple(t[:batch_size] for t in left)
+            left = tuple(t[batch_size:] for t in left)
+    if left is not None and len(left[0]):
+        yield left
+
+
+def normalize(images: torch.Tensor, dataset: str) -> torch.Tensor:
+    """uint8 [B,28,28] -> float [B,1,28,28]: the same arithmetic as InMemoryMNIST, so both give equal bits."""
+    s = spec(dataset)
+    return ((images.float().div_(255) - s.mean) / s.std).unsqueeze(1)
+
+
+class H5TestSet:
+    """A split read whole from the file into memory (the test set is small), shaped like InMemoryMNIST."""
+
+    def __init__(self, path, split: str, device="cpu"):
+        import h5py
+
+        layout = read_layout(path)
+        with h5py.File(path, "r", locking=False) as f:
+            images = torch.from_numpy(f[f"{split}/images"][:])
+            labels = torch.from_numpy(f[f"{split}/labels"][:].astype(np.int64))
+        self.images = normalize(images, layout.dataset).to(device)
+        self.labels = labels.to(device)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        if isinstance(index, list):
+            index = torch.as_tensor(index, device=self.labels.device)
+        return self.images[index], self.labels[index]

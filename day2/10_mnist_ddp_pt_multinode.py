@@ -1,0 +1,129 @@
+"""Lesson 10: lesson 6's DDP across nodes: the local rank picks the GPU, global rank 0 writes the outputs.
+
+Inside a Slurm allocation (salloc --nodes 2 --ntasks-per-node=4 ..., or an sbatch script):
+
+    ./day2/multinode_setup_and_run.sh 10_mnist_ddp_pt_multinode.py --quick
+    ./day2/multinode_setup_and_run.sh --launcher torchrun 10_mnist_ddp_pt_multinode.py
+
+On one machine:
+
+    torchrun --standalone --nproc_per_node=4 day2/10_mnist_ddp_pt_multinode.py --quick
+
+The training is lesson 6's, unchanged: DDP neither knows nor cares which ranks share a node, and W ranks on
+two nodes train exactly like W ranks on one (the tests compare the weights).  What changes is who does what:
+- the local rank (0 .. ranks per node - 1) picks the device, cuda:<local rank> on every node; the global
+  rank would ask node 2 for GPUs 4..7, which it does not have;
+- global rank 0, one process in the whole job, writes the shared outputs (metrics, weights, plot) to the
+  shared filesystem; "local rank 0" is one process per node, and they would all write the same files;
+- local rank 0 of each node is the one for per-node work (here a line per node; on a real cluster e.g.
+  copying the data to the node's local disk once).
+Ranks come from srun or torchrun, read as lesson 9 showed.  Started with plain python, it says how to launch.
+--batch-size is per rank.
+"""
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+
+from course import cli
+from course.evaluate import evaluate
+from course.launch import backend_for, launch, require_launcher, setup_device
+from course.models import build_model
+from course.output import plot_curves, rank_print, save_weights, write_json
+from course.profiling import add_profile_args, maybe_profile
+from data_tools.datasets import InMemoryMNIST, batches, require
+
+
+def worker(info, args):
+    # info: rank, local rank, node and world size from srun's or torchrun's variables (lesson 9)
+    rank, world_size = info.rank, info.world_size
+    device = setup_device(args.device, info.local_rank)  # DDP: the LOCAL rank picks this node's GPU
+    dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
+    host = socket.gethostname()
+    placement = [None] * world_size
+    dist.all_gather_object(placement, (info.node_rank, host, info.local_rank))  # who runs where
+    nodes = len({node for node, _, _ in placement})
+    if info.local_rank == 0:  # DDP: one process per node: the place for per-node work
+        ranks = [r for r, (node, _, _) in enumerate(placement) if node == info.node_rank]
+        rank_print(rank, f"local rank 0 of node {info.node_rank} ({host}), which runs global ranks {ranks}; "
+                         f"my device {device}")
+    require(args.dataset, args.data_dir)
+    train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
+    test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
+
+    model = build_model(args.model, args.seed + rank).to(device)
+    # DDP: broadcasts rank 0's weights at wrap time, then all_reduces gradient buckets during backward
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                bucket_cap_mb=args.bucket_cap_mb)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    prof = maybe_profile(args, rank, device)  # --profile: lesson 5's traces and TensorBoard scalars
+    losses, step, start = [], 0, time.perf_counter()
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
+        for x, y in batches(train_set, sampler, args.batch_size):
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()  # DDP: gradients arrive averaged over ranks when backward returns
+            optimizer.step()
+            losses.append(loss.detach())
+            step += 1
+            prof.step(loss, world_size * len(y))
+            if step == args.max_steps:
+                break
+        accuracy, test_loss, counted = evaluate(model.module, test_set, rank, world_size)
+        prof.epoch(epoch, accuracy, test_loss)
+        if rank == 0:
+            rank_print(rank, f"epoch {epoch}: test loss {test_loss:.4f}, test accuracy {accuracy:.4f} "
+                             f"({counted} test images, each counted once)")
+        if step == args.max_steps:
+            break
+    seconds = time.perf_counter() - start
+    prof.close()
+    rank_print(rank, f"{step} steps on {len(sampler)} samples per epoch in {seconds:.1f} s")
+
+    losses = torch.stack(losses)
+    dist.all_reduce(losses)  # DDP: the loss of each global batch, averaged over ranks (one call at the end)
+    losses = (losses / world_size).tolist()
+    if rank == 0:  # DDP: GLOBAL rank 0 alone writes the shared files (local rank 0 exists on every node)
+        global_batch = world_size * args.batch_size
+        samples = min(step * global_batch, args.epochs * world_size * len(sampler))
+        run = args.run_dir
+        write_json(run / "metrics.json", {
+            "lesson": "10_mnist_ddp_pt_multinode", "dataset": args.dataset, "model": args.model,
+            "world_size": world_size, "nodes": nodes, "launcher": info.launcher, "written_by": [rank, host],
+            "placement": [{"rank": r, "node": n, "host": h, "local_rank": lr}
+                          for r, (n, h, lr) in enumerate(placement)],
+            "backend": dist.get_backend(), "batch_size": args.batch_size,
+            "global_batch_size": global_batch, "lr": args.lr, "epochs": args.epochs, "steps": step,
+            "samples_seen": samples, "train_seconds": seconds, "samples_per_second": samples / seconds,
+            "test_accuracy": accuracy, "test_loss": test_loss, "loss_per_step": losses})
+        save_weights(run / "model.pt", model)
+        plot_curves(run / "loss.png", {f"{world_size} ranks": (range(1, step + 1), losses)}, "step",
+                    "training loss (mean over ranks)", f"{args.model}, global batch {global_batch}")
+        print(f"{world_size} ranks on {nodes} node(s) x batch {args.batch_size} = global batch {global_batch}; "
+              f"test accuracy {accuracy:.4f}; outputs in {run}", flush=True)
+    dist.destroy_process_group()
+
+
+def build_parser():
+    p = cli.add_distributed(cli.parser(__doc__, "day2/10_mnist_ddp_pt_multinode.py"))
+    p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0,
+                   help="DDP's gradient bucket size in MB (the MLP's gradients are 0.4 MB: one bucket)")
+    return add_profile_args(p)
+
+
+if __name__ == "__main__":
+    cli.main(lambda args: (require_launcher("day2/10_mnist_ddp_pt_multinode.py", "--quick"),
+                           require(args.dataset, args.data_dir), launch(worker, args)), build_parser())

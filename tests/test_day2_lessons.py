@@ -1,0 +1,142 @@
+"""Day 2 lessons on this machine, without Slurm: how they refuse to start, lesson 9 across two local
+"nodes" (two torchrun agents), lesson 11 from the HDF5 file against the same chunks from memory.
+
+The runs on the real two-node Slurm are in test_day2_slurm.py.
+"""
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, lesson, metrics
+from course.launch import free_port
+from course.output import load_weights
+
+
+LESSONS = {9: "day2/9_torch_dist_multi_node.py", 10: "day2/10_mnist_ddp_pt_multinode.py",
+           11: "day2/11_mnist_ddp_pt_multinode_streaming.py"}
+SCRIPT = REPO / "day2/multinode_setup_and_run.sh"
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+
+
+def clean_env(**extra):
+    """This machine's environment without any launcher's variables (the tests may run inside a job)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in LAUNCHER_VARS}
+    return {**env, **{k: str(v) for k, v in extra.items()}}
+
+
+def bare(cmd, cwd=REPO, timeout=120, **env):
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=clean_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("number", sorted(LESSONS))
+def test_a_lesson_started_outside_any_launcher_says_how_to_launch_it(number, tmp_path):
+    ran = bare([PYTHON, REPO / LESSONS[number], "--run-dir", tmp_path / "run"] if number > 9 else
+               [PYTHON, REPO / LESSONS[number]])
+    assert ran.returncode == 1, ran.stdout + ran.stderr
+    name = os.path.basename(LESSONS[number])
+    for how in ("does not start its own processes", "salloc --nodes 2 --ntasks-per-node=4",
+                f"./day2/multinode_setup_and_run.sh {name}",
+                f"torchrun --standalone --nproc_per_node=4 {LESSONS[number]}"):
+        assert how in ran.stderr, ran.stderr
+    assert "Traceback" not in ran.stderr
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())  # nothing written
+
+
+def test_inside_a_job_but_outside_a_step_it_says_to_use_srun():
+    # a batch script's own shell: SLURM_JOB_ID and SLURM_PROCID are set, but no srun step started it
+    ran = bare([PYTHON, REPO / LESSONS[9]], SLURM_JOB_ID=4242, SLURM_PROCID=0, SLURM_JOB_NODELIST="node[1-2]")
+    assert ran.returncode == 1
+    assert "inside Slurm job 4242 but not in a job step" in ran.stderr, ran.stderr
+
+
+def test_the_script_outside_an_allocation_says_how_to_get_one(tmp_path):
+    ran = bare([SCRIPT, "10_mnist_ddp_pt_multinode.py", "--quick"], cwd=tmp_path)  # from any directory
+    assert ran.returncode == 1
+    assert "not inside a Slurm allocation" in ran.stderr
+    assert "salloc --nodes 2 --ntasks-per-node=4" in ran.stderr
+    assert f"sbatch --nodes 2 --ntasks-per-node=4 --time=00:30:00 {SCRIPT} 10_mnist_ddp_pt_multinode.py --quick" \
+        in ran.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--launcher", "mpirun", "9_torch_dist_multi_node.py"], "--launcher must be srun or torchrun"),
+    (["12_no_such_lesson.py"], "no lesson '12_no_such_lesson.py'"),
+    ([], "usage:"),
+])
+def test_the_script_refuses_bad_arguments(tmp_path, args, message):
+    ran = bare([SCRIPT, *args], cwd=tmp_path, SLURM_JOB_ID=4242)
+    assert ran.returncode == 2 and message in ran.stderr, ran.stderr
+
+
+@pytest.mark.slow
+def test_lesson9_on_two_local_nodes_as_two_torchrun_agents():
+    """The notebook's way to show two nodes on one machine: two agents, static rendezvous on 127.0.0.1."""
+    port = free_port()
+    agents = [subprocess.Popen([PYTHON, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                                "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+                                REPO / LESSONS[9]], cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    outputs = []
+    for agent in agents:
+        out, _ = agent.communicate(timeout=180)
+        outputs.append(out)
+        assert agent.returncode == 0, out
+    joined = "\n".join(outputs)
+    assert "[rank 0] local rank 0 on node 0" in joined and "[rank 1] local rank 0 on node 1" in joined
+    assert joined.count("all_reduce(SUM) = 3, mean = 1.5") == 2
+    assert "2 ranks on 2 node(s), launched by torchrun" in joined
+
+
+def one_rank(*args, **env):
+    """A lesson as rank 0 of a world of 1, as torchrun would start it (no agent: fast error-path tests)."""
+    return bare([PYTHON, *args], RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, GROUP_RANK=0, MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=free_port(), **env)
+
+
+def test_lesson11_without_the_file_names_the_command_that_creates_it(dataset, tmp_path):
+    missing = tmp_path / "nowhere.h5"
+    ran = one_rank(REPO / LESSONS[11], "--h5-file", missing, "--run-dir", tmp_path / "run")
+    assert ran.returncode == 1, ran.stderr
+    lines = [line for line in ran.stderr.splitlines() if line.strip()]
+    assert lines == [f"python {LESSONS[11]}: error: {missing} does not exist; create it with: "
+                     f"python data_tools/create_mnist_h5.py --dataset {dataset} --output {missing}"]
+
+
+def test_lesson11_refuses_a_file_of_another_dataset(mnist_h5, tmp_path):
+    ran = one_rank(REPO / LESSONS[11], "--dataset", "mnist", "--h5-file", mnist_h5.path, "--run-dir", tmp_path)
+    assert ran.returncode == 1
+    assert f"holds {mnist_h5.dataset}, not mnist; pass --dataset {mnist_h5.dataset}" in ran.stderr
+
+
+@pytest.mark.slow
+def test_lesson11_from_hdf5_equals_from_memory_given_the_same_order(mnist_h5, tmp_path):
+    """2 ranks, 6500 samples in chunks of 700 (9 x 700 + 200): 5 chunks each, but 3500 vs 3000 samples, so
+    55 vs 47 steps per epoch: the uneven case join() handles.  Two epochs, so the momentum fix matters."""
+    common = ["--h5-file", mnist_h5.path, "--train-samples", "6500", "--epochs", "2", "--seed", "7",
+              "--save-order"]
+    runs = {}
+    for source, workers in (("h5", "1"), ("memory", "0")):
+        runs[source] = tmp_path / source
+        lesson(LESSONS[11], *common, "--source", source, "--workers", workers, "--run-dir", runs[source],
+               launcher="torchrun", nproc=2, timeout=300)
+    for source, run_dir in runs.items():
+        m = metrics(run_dir)
+        assert m["source"] == source and m["world_size"] == 2 and m["epochs"] == 2
+        for epoch in m["per_epoch"]:  # counted by the lesson itself, across ranks
+            assert (epoch["seen_once"], epoch["seen_never"], epoch["seen_more"]) == (6500, 0, 0)
+            assert sorted(epoch["steps_per_rank"]) == [47, 55]
+        assert m["replicas_identical"] is True  # weights and momentum equal on both ranks after join()
+        assert m["steps"] == 110
+    orders = {s: json.loads((d / "order.json").read_text())["epochs"] for s, d in runs.items()}
+    assert orders["h5"] == orders["memory"]  # the same order...
+    for epoch in orders["h5"]:
+        assert sorted(i for rank in epoch for i in rank) == list(range(6500))  # each sample once, by index
+    assert orders["h5"][0] != orders["h5"][1]
+    h5, memory = load_weights(runs["h5"] / "model.pt"), load_weights(runs["memory"] / "model.pt")
+    assert h5.keys() == memory.keys()
+    for name in h5:  # ...gives the same weights, bit for bit: the file changes where bytes come from, nothing else
+        assert torch.equal(h5[name], memory[name]), name
