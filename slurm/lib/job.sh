@@ -1,0 +1,100 @@
+# What every launcher in slurm/ does around its lesson.  Sourced by the launchers, inside the job:
+#
+#   COURSE_REPO="${COURSE_REPO:-${SLURM_SUBMIT_DIR:-$PWD}}"
+#   source "$COURSE_REPO/slurm/lib/job.sh" || { echo "error: ..." >&2; exit 1; }
+#   job_start "$@"                     # site setup, then the start time and the resolved settings
+#   step srun --kill-on-bad-exit=1 "$PYTHON" -u "$COURSE_REPO/day1/6_mnist_ddp_pt.py" "$@"
+#
+# The end time and the exit code are printed when the script ends, whatever ends it.
+#
+# The site profile comes from COURSE_SITE_ENV (a path; slurm/submit.sh exports it) or COURSE_SITE (a name in
+# slurm/sites/).  Without either (a plain `sbatch slurm/X.sh`) no profile is loaded: python comes from the
+# repository's .venv if there is one, else from PATH.
+
+# shellcheck source=site.sh
+source "$COURSE_REPO/slurm/lib/site.sh"
+
+_job_started=$SECONDS
+
+_job_end() {
+    local status=$?
+    echo "==== ${SLURM_JOB_NAME:-job} ${SLURM_JOB_ID:-}: ended $(date '+%F %T %Z') after $((SECONDS - _job_started)) s," \
+         "exit code $status"
+}
+
+# Prints a command, then runs it: the log shows exactly what ran.
+step() {
+    echo "+ $*"
+    "$@"
+}
+
+# $1: label, $2: value (skipped when empty).
+_job_setting() {
+    [[ -n "${2:-}" ]] && printf '  %-18s %s\n' "$1" "$2"
+    return 0
+}
+
+job_start() {
+    trap _job_end EXIT
+    echo "==== ${SLURM_JOB_NAME:-job} ${SLURM_JOB_ID:-}: started $(date '+%F %T %Z') on $(hostname)"
+
+    local site_file="${COURSE_SITE_ENV:-}"
+    if [[ -z "$site_file" && -n "${COURSE_SITE:-}" ]]; then
+        site_file="$(course_site_file "$COURSE_SITE")" || {
+            echo "error: COURSE_SITE=$COURSE_SITE: no such profile; the profiles are: $(course_site_names)" >&2
+            exit 1
+        }
+    fi
+    if [[ -n "$site_file" ]]; then
+        if [[ ! -f "$site_file" ]]; then
+            echo "error: the site profile $site_file is gone (submitted with COURSE_SITE_ENV=$site_file)" >&2
+            exit 1
+        fi
+        course_load_site "$site_file"
+        if declare -F site_setup >/dev/null; then
+            # Module and activation scripts often use unset variables: not under set -u.
+            set +u
+            site_setup
+            set -u
+        fi
+    elif [[ -f "$COURSE_REPO/.venv/bin/activate" ]]; then
+        set +u
+        # shellcheck source=/dev/null
+        source "$COURSE_REPO/.venv/bin/activate"
+        set -u
+    fi
+
+    PYTHON="${PYTHON:-$(command -v python3 || command -v python || true)}"
+    if [[ -z "$PYTHON" ]]; then
+        echo "error: no python3 on PATH after the site setup; load a module or activate an environment in" \
+             "site_setup of ${site_file:-your site profile}" >&2
+        exit 1
+    fi
+    export PYTHON
+    # Each rank gets the cores of its task: as many threads, no more (the node may have many more cores).
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"
+    # Since Slurm 22.05 srun no longer inherits --cpus-per-task from the batch job: pass it on.
+    if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
+        export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
+    fi
+
+    echo "settings:"
+    _job_setting "site profile" "${site_file:-none (plain sbatch: add --partition/--account/GPUs yourself)}"
+    _job_setting "site" "${SITE_DESCRIPTION:-}"
+    _job_setting "repository" "$COURSE_REPO"
+    _job_setting "working dir" "$PWD"
+    _job_setting "nodes" "${SLURM_JOB_NUM_NODES:-?} (${SLURM_JOB_NODELIST:-?})"
+    _job_setting "tasks (ranks)" "${SLURM_NTASKS:-?}, ${SLURM_NTASKS_PER_NODE:-${SLURM_TASKS_PER_NODE:-?}} per node"
+    _job_setting "cpus per task" "${SLURM_CPUS_PER_TASK:-1} (OMP_NUM_THREADS=$OMP_NUM_THREADS)"
+    _job_setting "gpus" "${SLURM_GPUS_ON_NODE:-0} on this node${CUDA_VISIBLE_DEVICES:+ (CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES)}"
+    _job_setting "partition" "${SLURM_JOB_PARTITION:-}"
+    _job_setting "account" "${SLURM_JOB_ACCOUNT:-}"
+    _job_setting "qos" "${SLURM_JOB_QOS:-}"
+    _job_setting "time limit" "$(squeue --noheader --format=%l --job "${SLURM_JOB_ID:-0}" 2>/dev/null || true)"
+    _job_setting "python" "$PYTHON ($("$PYTHON" --version 2>&1))"
+    local var
+    for var in NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME NCCL_DEBUG HDF5_USE_FILE_LOCKING MASTER_PORT; do
+        _job_setting "$var" "${!var:-}"
+    done
+    _job_setting "lesson args" "$*"
+}

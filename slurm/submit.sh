@@ -1,0 +1,257 @@
+#!/bin/bash
+# Submit a lesson's launcher with the sbatch options of your cluster, taken from a site profile.
+#
+#   slurm/submit.sh LESSON --site NAME [options] [-- lesson args]
+#
+#   slurm/submit.sh 6_mnist_ddp_pt --site perlmutter -- --epochs 4
+#   slurm/submit.sh 10 --site jsc --nodes 4                      # a lesson by its number
+#   slurm/submit.sh 9 --site palmetto --dry-run                  # print the sbatch command, submit nothing
+#
+# LESSON      a launcher in slurm/: its name (6_mnist_ddp_pt), its number (6), or its path
+# --site      a profile in slurm/sites/ (perlmutter, jsc, ...) or a path to one; default: $COURSE_SITE
+# --nodes N               nodes (day-1 lessons: always 1; day-2 launchers: default 2)
+# --gpus-per-node G       GPUs per node, one rank each (default: SITE_GPUS_PER_NODE of the profile)
+# --ntasks-per-node T     ranks per node (default: G on GPU sites, SITE_TASKS_PER_NODE on CPU-only ones)
+# --time T                wall-clock limit (default: the launcher's #SBATCH --time)
+# --dry-run               print the exact sbatch command and exit; nothing is checked with or sent to Slurm
+# --test-only             ask Slurm whether and when it would run the job (sbatch --test-only), submit nothing
+# --no-check              submit without asking Slurm first (by default a refused option fails before submission)
+#
+# Every SITE_* value may also come from the environment, which wins over the profile:
+#   SITE_ACCOUNT=m1234_g slurm/submit.sh 6 --site perlmutter
+# Logs go to logs/<lesson>-<job id>.out under the current directory (the job's working directory).
+set -euo pipefail
+
+COURSE_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=lib/site.sh
+source "$COURSE_REPO/slurm/lib/site.sh"
+
+usage() {
+    sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+}
+
+die() {
+    echo "submit.sh: error: $*" >&2
+    exit 1
+}
+
+# ---------------------------------------------------------------------------------------------- arguments
+LESSON="" SITE="${COURSE_SITE:-}" NODES="" GPUS="" TASKS="" TIME="" MODE=submit CHECK=yes
+LESSON_ARGS=()
+need_value() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value (see --help)"; }
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        -h|--help) usage; exit 0 ;;
+        --site) need_value "$@"; SITE="$2"; shift 2 ;;
+        --site=*) SITE="${1#*=}"; shift ;;
+        --nodes|-N) need_value "$@"; NODES="$2"; shift 2 ;;
+        --nodes=*) NODES="${1#*=}"; shift ;;
+        --gpus-per-node) need_value "$@"; GPUS="$2"; shift 2 ;;
+        --gpus-per-node=*) GPUS="${1#*=}"; shift ;;
+        --ntasks-per-node) need_value "$@"; TASKS="$2"; shift 2 ;;
+        --ntasks-per-node=*) TASKS="${1#*=}"; shift ;;
+        --time|-t) need_value "$@"; TIME="$2"; shift 2 ;;
+        --time=*) TIME="${1#*=}"; shift ;;
+        --dry-run) MODE=dry-run; shift ;;
+        --test-only) MODE=test-only; shift ;;
+        --no-check) CHECK=no; shift ;;
+        --) shift; LESSON_ARGS=("$@"); break ;;
+        -*) die "unknown option $1 (lesson arguments go after --; see --help)" ;;
+        *) [[ -z "$LESSON" ]] || die "one lesson at a time ('$LESSON' and '$1'); lesson arguments go after --"
+           LESSON="$1"; shift ;;
+    esac
+done
+
+launcher_names() {
+    local file
+    for file in "$COURSE_REPO"/slurm/*.sh; do
+        [[ "$(basename "$file")" == submit.sh ]] || basename "$file" .sh
+    done | sort -V | tr '\n' ' ' | sed 's/ $//'
+    echo
+}
+
+[[ -n "$LESSON" ]] || die "which lesson? the launchers are: $(launcher_names)"
+[[ -n "$SITE" ]] || die "which site? give --site NAME (or export COURSE_SITE); the profiles are: $(course_site_names)"
+
+# ---------------------------------------------------------------------------------------------- the launcher
+find_launcher() {
+    local name="$1" matches=()
+    name="$(basename "$name")"
+    name="${name%.sh}"
+    name="${name%.py}"
+    if [[ -f "$COURSE_REPO/slurm/$name.sh" && "$name" != submit ]]; then
+        echo "$COURSE_REPO/slurm/$name.sh"
+        return
+    fi
+    if [[ "$name" =~ ^[0-9]+$ ]]; then
+        shopt -s nullglob
+        matches=("$COURSE_REPO/slurm/${name}_"*.sh)
+        shopt -u nullglob
+        if [[ ${#matches[@]} -eq 1 ]]; then
+            echo "${matches[0]}"
+            return
+        fi
+    fi
+    return 1
+}
+LAUNCHER="$(find_launcher "$LESSON")" ||
+    die "no launcher for '$LESSON' in slurm/; the launchers are: $(launcher_names)"
+NAME="$(basename "$LAUNCHER" .sh)"
+
+# The launcher's own defaults, from its #SBATCH lines.
+sbatch_default() {
+    sed -n "s/^#SBATCH --$1=\([^ ]*\).*/\1/p" "$LAUNCHER" | head -n1
+}
+LAUNCHER_NODES="$(sbatch_default nodes)"
+LAUNCHER_NTASKS="$(sbatch_default ntasks)"  # set only by single-process launchers (--ntasks=1)
+
+# ---------------------------------------------------------------------------------------------- the profile
+SITE_FILE="$(course_site_file "$SITE")" ||
+    die "no site profile '$SITE' (looked for $(course_sites_dir)/$SITE.env); the profiles are: $(course_site_names)"
+course_load_site "$SITE_FILE"
+SITE_NAME="$(basename "$SITE_FILE" .env)"
+
+# Every check below names the setting and where it came from.
+origin() {
+    if [[ " $COURSE_SITE_FROM_ENV " == *" $1 "* ]]; then echo "$1 (from the environment)"; else echo "$1 in $SITE_FILE"; fi
+}
+is_count() { [[ "$1" =~ ^(0|[1-9][0-9]*)$ ]]; }
+is_word() { [[ -z "$1" || "$1" =~ ^[^[:space:]]+$ ]]; }
+
+: "${SITE_GPU_FLAG:=none}" "${SITE_ACCOUNT_REQUIRED:=no}"
+for var in SITE_ACCOUNT SITE_PARTITION SITE_QOS SITE_CONSTRAINT; do
+    is_word "${!var:-}" || die "$(origin $var) is '${!var}': one word, no spaces"
+done
+case "$SITE_ACCOUNT_REQUIRED" in
+    yes|no) ;;
+    *) die "$(origin SITE_ACCOUNT_REQUIRED) is '$SITE_ACCOUNT_REQUIRED': yes or no" ;;
+esac
+if [[ "$SITE_ACCOUNT_REQUIRED" == yes && -z "${SITE_ACCOUNT:-}" ]]; then
+    die "site $SITE_NAME needs an account (the project your time is charged to; \`sacctmgr show assoc user=\$USER\`" \
+        "or your site's portal lists yours): set SITE_ACCOUNT in $SITE_FILE or export SITE_ACCOUNT=<account>"
+fi
+if [[ -n "${SITE_ACCOUNT_SUFFIX:-}" && -n "${SITE_ACCOUNT:-}" && "$SITE_ACCOUNT" != *"$SITE_ACCOUNT_SUFFIX" ]]; then
+    die "$(origin SITE_ACCOUNT) is '$SITE_ACCOUNT', but site $SITE_NAME charges GPU jobs to an account ending in" \
+        "'$SITE_ACCOUNT_SUFFIX' (e.g. ${SITE_ACCOUNT}${SITE_ACCOUNT_SUFFIX})"
+fi
+case "$SITE_GPU_FLAG" in
+    none|gpus-per-node|gres|gpus) ;;
+    *) die "$(origin SITE_GPU_FLAG) is '$SITE_GPU_FLAG': use none (CPU only), gpus-per-node (--gpus-per-node=N)," \
+           "gres (--gres=gpu:N) or gpus (--gpus=TYPE:N for the whole job)" ;;
+esac
+[[ -z "${SITE_GPU_TYPE:-}" || "$SITE_GPU_TYPE" =~ ^[A-Za-z0-9_.-]+$ ]] ||
+    die "$(origin SITE_GPU_TYPE) is '$SITE_GPU_TYPE': a GPU type name such as a100 or v100 (no count, no colon:" \
+        "the count comes from SITE_GPUS_PER_NODE or --gpus-per-node)"
+for var in SITE_GPUS_PER_NODE SITE_TASKS_PER_NODE SITE_CPUS_PER_TASK; do
+    [[ -z "${!var:-}" ]] || is_count "${!var}" || die "$(origin $var) is '${!var}': a whole number"
+done
+
+# ---------------------------------------------------------------------------------------------- the request
+[[ -z "$NODES" ]] || { is_count "$NODES" && ((NODES >= 1)); } || die "--nodes $NODES: a whole number, at least 1"
+[[ -z "$GPUS" ]] || is_count "$GPUS" || die "--gpus-per-node $GPUS: a whole number"
+[[ -z "$TASKS" ]] || { is_count "$TASKS" && ((TASKS >= 1)); } || die "--ntasks-per-node $TASKS: a whole number, at least 1"
+[[ -z "$TIME" || "$TIME" =~ ^([0-9]+-)?[0-9]+(:[0-9]+){0,2}$ ]] ||
+    die "--time $TIME: minutes, MM:SS, HH:MM:SS or D-HH:MM:SS"
+if [[ "$LAUNCHER_NODES" == 1 && -n "$NODES" && "$NODES" != 1 ]]; then
+    die "$NAME is a one-node lesson (day 1); the multi-node lessons are the day-2 launchers (9, 10, 11, ...)"
+fi
+NNODES="${NODES:-${LAUNCHER_NODES:-1}}"
+
+GPUS="${GPUS:-${SITE_GPUS_PER_NODE:-0}}"
+if [[ "$SITE_GPU_FLAG" == none ]]; then
+    ((GPUS == 0)) || die "site $SITE_NAME has no GPUs (SITE_GPU_FLAG=none), but $GPUS per node were asked for"
+elif ((GPUS == 0)); then
+    die "site $SITE_NAME requests GPUs with SITE_GPU_FLAG=$SITE_GPU_FLAG, but SITE_GPUS_PER_NODE is not set:" \
+        "set it in $SITE_FILE or give --gpus-per-node G"
+fi
+if [[ "$LAUNCHER_NTASKS" == 1 ]]; then
+    # A single-process lesson: one task, at most one GPU.
+    [[ -z "$TASKS" || "$TASKS" == 1 ]] || die "$NAME runs a single process: --ntasks-per-node must be 1"
+    ((GPUS <= 1)) || GPUS=1
+    TASKS=""
+elif ((GPUS > 0)); then
+    TASKS="${TASKS:-$GPUS}"  # one rank per GPU
+    ((TASKS <= GPUS)) || die "--ntasks-per-node $TASKS is more than the $GPUS GPUs per node: NCCL needs one GPU per rank"
+else
+    TASKS="${TASKS:-${SITE_TASKS_PER_NODE:-}}"
+fi
+
+OPTIONS=()
+[[ -z "${SITE_ACCOUNT:-}" ]] || OPTIONS+=("--account=$SITE_ACCOUNT")
+[[ -z "${SITE_PARTITION:-}" ]] || OPTIONS+=("--partition=$SITE_PARTITION")
+[[ -z "${SITE_QOS:-}" ]] || OPTIONS+=("--qos=$SITE_QOS")
+[[ -z "${SITE_CONSTRAINT:-}" ]] || OPTIONS+=("--constraint=$SITE_CONSTRAINT")
+OPTIONS+=("--nodes=$NNODES")  # also when it is the launcher's: the command says what it asks for
+[[ -z "$TASKS" ]] || OPTIONS+=("--ntasks-per-node=$TASKS")
+[[ -z "${SITE_CPUS_PER_TASK:-}" ]] || OPTIONS+=("--cpus-per-task=$SITE_CPUS_PER_TASK")
+if ((GPUS > 0)); then
+    TYPE="${SITE_GPU_TYPE:+$SITE_GPU_TYPE:}"
+    case "$SITE_GPU_FLAG" in
+        gpus-per-node) OPTIONS+=("--gpus-per-node=$TYPE$GPUS") ;;
+        gres) OPTIONS+=("--gres=gpu:$TYPE$GPUS") ;;
+        gpus) OPTIONS+=("--gpus=$TYPE$((GPUS * NNODES))") ;;  # for the whole job: GPUs per node x nodes
+    esac
+fi
+[[ -z "$TIME" ]] || OPTIONS+=("--time=$TIME")
+if [[ -n "${SITE_SBATCH_EXTRA:-}" ]]; then
+    read -ra EXTRA <<<"$SITE_SBATCH_EXTRA"
+    OPTIONS+=("${EXTRA[@]}")
+fi
+# The job finds the course and the profile (for modules, environment, NCCL hints) through these.
+[[ "$COURSE_REPO$SITE_FILE" != *,* ]] || die "the paths $COURSE_REPO and $SITE_FILE must not contain commas (sbatch --export)"
+OPTIONS+=("--export=ALL,COURSE_REPO=$COURSE_REPO,COURSE_SITE_ENV=$SITE_FILE")
+
+COMMAND=(sbatch "${OPTIONS[@]}" "$LAUNCHER" "${LESSON_ARGS[@]}")
+show() {  # the command as one line you can paste into a shell
+    local arg words=()
+    for arg in "$@"; do
+        if [[ "$arg" =~ ^[A-Za-z0-9_/.,=:+@%-]+$ ]]; then
+            words+=("$arg")
+        else
+            words+=("'${arg//\'/\'\\\'\'}'")
+        fi
+    done
+    echo "${words[*]}"
+}
+
+if [[ "$MODE" == dry-run ]]; then
+    show "${COMMAND[@]}"
+    exit 0
+fi
+
+command -v sbatch >/dev/null || die "sbatch not found: run this on a login node of a Slurm cluster (or use --dry-run)"
+echo "submit.sh: site $SITE_NAME: ${SITE_DESCRIPTION:-$SITE_FILE}"
+[[ -z "$COURSE_SITE_FROM_ENV" ]] || echo "submit.sh: from the environment: $COURSE_SITE_FROM_ENV"
+
+explain() {  # sbatch's complaint -> which profile setting to look at
+    local message="$1"
+    case "${message,,}" in
+        *partition*) echo "check $(origin SITE_PARTITION) ('${SITE_PARTITION:-}'); \`sinfo -s\` lists the partitions" ;;
+        *account*) echo "check $(origin SITE_ACCOUNT) ('${SITE_ACCOUNT:-}'); \`sacctmgr show assoc user=\$USER\` lists yours" ;;
+        *qos*) echo "check $(origin SITE_QOS) ('${SITE_QOS:-}'); \`sacctmgr show qos\` lists them" ;;
+        *feature*|*constraint*) echo "check $(origin SITE_CONSTRAINT) ('${SITE_CONSTRAINT:-}'); \`sinfo -o '%P %f'\` lists the features" ;;
+        *gres*|*gpu*|*"node configuration"*)
+            echo "check the GPU request (SITE_GPU_FLAG=$SITE_GPU_FLAG, SITE_GPU_TYPE=${SITE_GPU_TYPE:-}, $GPUS per node," \
+                 "${TASKS:-default} tasks per node, SITE_CPUS_PER_TASK=${SITE_CPUS_PER_TASK:-}) in $SITE_FILE;" \
+                 "\`sinfo -o '%P %D %c %G'\` lists CPUs and GPUs per node" ;;
+        *) echo "check the settings in $SITE_FILE" ;;
+    esac
+}
+
+if [[ "$CHECK" == yes || "$MODE" == test-only ]]; then
+    if ! checked="$(sbatch --test-only "${OPTIONS[@]}" "$LAUNCHER" "${LESSON_ARGS[@]}" 2>&1)"; then
+        checked="$(echo "$checked" | sed 's/^sbatch: error: //' | tr '\n' ' ')"
+        die "Slurm refuses $NAME with site $SITE_NAME: ${checked% }; $(explain "$checked"). Nothing was submitted."
+    fi
+    if [[ "$MODE" == test-only ]]; then
+        echo "$checked"
+        exit 0
+    fi
+fi
+
+mkdir -p logs  # sbatch cannot create it, and a job whose log file cannot be opened fails silently
+echo "submit.sh: $(show "${COMMAND[@]}")"
+submitted="$("${COMMAND[@]}")"
+echo "$submitted"
+JOB_ID="${submitted##* }"
+echo "submit.sh: log: logs/$NAME-$JOB_ID.out (follow it: tail -f logs/$NAME-$JOB_ID.out; the queue: squeue --me)"

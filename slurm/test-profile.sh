@@ -1,0 +1,27 @@
+#!/bin/bash
+# test-profile under Slurm: a small DDP pipeline on dummy data, profiled into ./log.
+#
+# Submit it from the repository root with the sbatch options of your site (slurm/sites/NAME.env):
+#   SITE_ACCOUNT=m1234_g slurm/submit.sh test-profile --site perlmutter
+#   slurm/submit.sh test-profile --site cpu-only -- --steps 20    (lesson arguments after --)
+#   slurm/submit.sh test-profile --site palmetto --dry-run    (print the sbatch command, submit nothing)
+# or by hand:  mkdir -p logs && sbatch [site options] slurm/test-profile.sh [lesson arguments]
+#
+# Site-specific options (account, partition, qos, constraint, GPUs) are not in this file: slurm/submit.sh
+# adds them to the sbatch command line from the site profile (slurm/sites/).
+#SBATCH --job-name=test-profile      # the name in squeue and in the log file name
+#SBATCH --nodes=1                    # day 1: every rank on one node
+#SBATCH --ntasks-per-node=4          # one task per rank; GPU sites: one per GPU (submit.sh)
+#SBATCH --cpus-per-task=4            # cores per rank: data, Python, OMP threads
+#SBATCH --time=00:10:00              # wall-clock limit
+#SBATCH --output=logs/%x-%j.out      # stdout+stderr: logs/<job name>-<job id>.out
+set -euo pipefail
+
+# sbatch runs a copy of this file from a spool directory: find the course from where the job was submitted.
+COURSE_REPO="${COURSE_REPO:-${SLURM_SUBMIT_DIR:-$PWD}}"
+source "$COURSE_REPO/slurm/lib/job.sh" ||
+    { echo "error: no course in $COURSE_REPO: submit from the repository root or export COURSE_REPO" >&2; exit 1; }
+job_start "$@"
+
+# One task per rank; each writes its trace into ./log (in the directory the job was submitted from).
+step srun --kill-on-bad-exit=1 "$PYTHON" -u "$COURSE_REPO/day1/test-profile.py" "$@"

@@ -1,0 +1,509 @@
+"""slurm/: one launcher per lesson, the site profiles and slurm/submit.sh, checked on a real two-node Slurm.
+
+- every lesson has a launcher and every launcher a lesson; every launcher has the shape the course promises
+  (commented #SBATCH lines, strict bash, srun --kill-on-bad-exit=1, logs/%x-%j.out, no site values);
+- every launcher passes `bash -n`, and `sbatch --test-only` with every site profile on a test Slurm dressed
+  as those sites (GPU nodes with feature `gpu`, typed GPUs, partition `booster`);
+- every launcher, with the CPU-only profile, is really submitted through submit.sh to the two-node test
+  Slurm, exits 0, and its log shows the lesson's result; the day-2 ones span both nodes;
+- a wrong site value fails with one clear line before anything is submitted.
+"""
+import json
+import os
+import re
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from slurm_cluster import SlurmCluster, skip_reason
+
+SLURM = REPO / "slurm"
+SUBMIT = SLURM / "submit.sh"
+SITES_DIR = SLURM / "sites"
+LAUNCHERS = sorted(p for p in SLURM.glob("*.sh") if p.name != "submit.sh")
+SITES = sorted(p.stem for p in SITES_DIR.glob("*.env"))
+# Accounts for the profiles that require one, shaped as each site wants it.
+ACCOUNTS = {"perlmutter": "m1234_g", "jsc": "training2024"}
+
+
+def lesson_files() -> dict[str, Path]:
+    """Launcher name -> the script it runs: every numbered lesson, test-profile, and the HDF5 writer."""
+    files = {p.stem: p for p in REPO.glob("day*/[0-9]*_*.py")}
+    files.update({p.stem: p for p in REPO.glob("day*/test-profile.py")})
+    files["create_mnist_h5"] = REPO / "data_tools" / "create_mnist_h5.py"
+    return files
+
+
+def is_day2(launcher: Path) -> bool:
+    return (REPO / "day2" / f"{launcher.stem}.py").exists()
+
+
+def sbatch_lines(launcher: Path) -> list[str]:
+    return [line for line in launcher.read_text().splitlines() if line.startswith("#SBATCH")]
+
+
+def submit(*args, env=None, cwd=None, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SUBMIT), *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=cwd or REPO, timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------------ the files
+
+def test_every_lesson_has_a_launcher_and_every_launcher_a_lesson():
+    lessons = lesson_files()
+    launchers = {p.stem for p in LAUNCHERS}
+    assert "test-profile" in lessons and {"0_torch_dist", "9_torch_dist_multi_node"} <= set(lessons)
+    assert sorted(set(lessons) - launchers) == [], "lessons without a launcher in slurm/"
+    assert sorted(launchers - set(lessons)) == [], "launchers without a lesson"
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS, ids=lambda p: p.stem)
+def test_launcher_shape(launcher):
+    text = launcher.read_text()
+    name = launcher.stem
+    assert subprocess.run(["bash", "-n", str(launcher)], capture_output=True).returncode == 0
+    assert text.startswith("#!/bin/bash\n")
+    assert os.access(launcher, os.X_OK)
+    lines = sbatch_lines(launcher)
+    for line in lines:
+        # every directive says what it asks for
+        assert re.fullmatch(r"#SBATCH --[a-z-]+(=\S+)?\s+# \S.*", line), line
+    options = dict((line.split()[1].lstrip("-") + "=").split("=")[:2] for line in lines)
+    assert options["job-name"] == name
+    assert options["output"] == "logs/%x-%j.out"
+    assert "time" in options
+    # site values come from the profile through submit.sh, never from the launcher
+    assert not {"account", "partition", "qos", "constraint", "gres", "gpus", "gpus-per-node"} & set(options)
+    assert "\nset -euo pipefail\n" in text
+    assert 'job_start "$@"' in text  # start time and settings; lib/job.sh traps the end
+    # the launcher runs its own lesson, and every srun stops all ranks when one fails
+    script = lesson_files()[name]
+    assert str(script.relative_to(REPO)) in text or f" {script.name} " in text
+    sruns = re.findall(r"^\s*step srun .*$", text, flags=re.M)
+    assert all("--kill-on-bad-exit=1" in s for s in sruns), sruns
+    if is_day2(launcher):
+        assert options["nodes"] == "2"
+        assert "day2/multinode_setup_and_run.sh" in text  # finds rank 0, then srun --kill-on-bad-exit=1
+    else:
+        assert options["nodes"] == "1"
+        assert sruns, "day-1 launchers start their ranks with srun"
+
+
+def test_helpers_pass_bash_n():
+    for path in [SUBMIT, *SLURM.glob("lib/*.sh")]:
+        checked = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert checked.returncode == 0, f"{path}: {checked.stderr}"
+
+
+def test_profiles_shipped():
+    assert {"perlmutter", "palmetto", "jsc", "generic-gpu", "cpu-only", "template"} <= set(SITES)
+    template = (SITES_DIR / "template.env").read_text()
+    for setting in ["SITE_ACCOUNT=", "SITE_PARTITION=", "SITE_QOS=", "SITE_CONSTRAINT=", "SITE_GPU_FLAG=",
+                    "SITE_GPU_TYPE=", "SITE_GPUS_PER_NODE=", "SITE_CPUS_PER_TASK=", "site_setup()",
+                    "NCCL_SOCKET_IFNAME", "module load"]:
+        assert setting in template
+    for site in SITES:
+        # bash syntax, and every one is readable by the loader the job uses
+        loaded = subprocess.run(
+            ["bash", "-c", 'COURSE_REPO="$1"; source "$1/slurm/lib/site.sh"; course_load_site "$2"; '
+                           'declare -F site_setup >/dev/null && echo "$SITE_GPU_FLAG"',
+             "bash", str(REPO), str(SITES_DIR / f"{site}.env")], capture_output=True, text=True)
+        assert loaded.returncode == 0 and loaded.stdout.strip(), (site, loaded.stderr)
+
+
+# ------------------------------------------------------------------------------------------ submit.sh --dry-run
+
+# What each profile must put on the sbatch command line, for lesson 6 (one node) and lesson 10 (two nodes).
+DRY_RUN = {
+    "perlmutter": (["--account=m1234_g", "--qos=regular", "--constraint=gpu", "--ntasks-per-node=4",
+                    "--cpus-per-task=32", "--gpus-per-node=4"], ["--gpus-per-node=4"]),
+    "palmetto": (["--ntasks-per-node=2", "--gpus=v100:2"], ["--gpus=v100:4"]),  # --gpus counts the whole job
+    "jsc": (["--account=training2024", "--partition=booster", "--ntasks-per-node=4", "--gres=gpu:4"],
+            ["--gres=gpu:4"]),
+    "generic-gpu": (["--ntasks-per-node=4", "--gpus-per-node=4"], ["--gpus-per-node=4"]),
+    "cpu-only": (["--ntasks-per-node=4", "--cpus-per-task=2"], ["--ntasks-per-node=4"]),
+    "template": (["--gpus-per-node=4"], ["--gpus-per-node=4"]),
+}
+
+
+@pytest.mark.parametrize("site", SITES)
+def test_dry_run_prints_the_sbatch_command_of_the_profile(site):
+    env = {"SITE_ACCOUNT": ACCOUNTS[site]} if site in ACCOUNTS else {}
+    day1_flags, day2_flags = DRY_RUN.get(site, ([], []))
+    for lesson, expected in [("6", day1_flags), ("10_mnist_ddp_pt_multinode", day2_flags)]:
+        shown = submit(lesson, "--site", site, "--dry-run", "--", "--quick", "--run-dir", "my runs", env=env)
+        assert shown.returncode == 0, shown.stderr
+        words = shlex.split(shown.stdout)
+        assert words[0] == "sbatch"
+        assert words[-3:] == ["--quick", "--run-dir", "my runs"]  # lesson args after the launcher, quoted
+        assert Path(words[-4]).name.startswith(lesson.split("_")[0] + "_")
+        assert set(expected) <= set(words), (expected, words)
+        assert ("--nodes=1" if lesson == "6" else "--nodes=2") in words  # day 1: one node, day 2: two
+        assert f"COURSE_SITE_ENV={SITES_DIR / (site + '.env')}" in shown.stdout
+        if site == "cpu-only":
+            assert not any("gpu" in w or "gres" in w for w in words[:-4])
+
+
+def test_single_process_lessons_ask_for_one_task_and_one_gpu():
+    shown = submit("2", "--site", "generic-gpu", "--dry-run")
+    words = shlex.split(shown.stdout)
+    assert "--gpus-per-node=1" in words and not any(w.startswith("--ntasks-per-node") for w in words)
+
+
+def test_environment_wins_over_the_profile():
+    shown = submit("9", "--site", "jsc", "--dry-run", "--nodes", "3",
+                   env={"SITE_ACCOUNT": "proj", "SITE_PARTITION": "develbooster", "SITE_GPUS_PER_NODE": "2"})
+    words = shlex.split(shown.stdout)
+    assert {"--account=proj", "--partition=develbooster", "--gres=gpu:2", "--ntasks-per-node=2",
+            "--nodes=3"} <= set(words), words
+
+
+# ------------------------------------------------------------------------------------------ wrong site values
+
+@pytest.fixture
+def fake_sbatch(tmp_path):
+    """An `sbatch` first on PATH that records any call: proves that nothing reached Slurm."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "sbatch-calls"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/bash\necho "$@" >> {calls}\necho "Submitted batch job 1"\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}, calls
+
+
+WRONG = [
+    # (site, environment, lesson, extra args, words the one-line error must contain)
+    ("perlmutter", {}, "6", [], ["needs an account", "SITE_ACCOUNT"]),
+    ("jsc", {"SITE_ACCOUNT": ""}, "10", [], ["needs an account", "SITE_ACCOUNT"]),
+    ("perlmutter", {"SITE_ACCOUNT": "m1234"}, "6", [], ["'m1234'", "ending in '_g'"]),
+    ("generic-gpu", {"SITE_GPU_FLAG": "gpu-per-node"}, "6", [], ["SITE_GPU_FLAG", "'gpu-per-node'", "gres"]),
+    ("palmetto", {"SITE_GPU_TYPE": "v100:2"}, "6", [], ["SITE_GPU_TYPE", "'v100:2'"]),
+    ("generic-gpu", {"SITE_GPUS_PER_NODE": "four"}, "6", [], ["SITE_GPUS_PER_NODE", "whole number"]),
+    ("generic-gpu", {"SITE_GPUS_PER_NODE": "0"}, "6", [], ["SITE_GPUS_PER_NODE is not set"]),
+    ("cpu-only", {}, "6", ["--gpus-per-node", "2"], ["has no GPUs"]),
+    ("generic-gpu", {}, "6", ["--ntasks-per-node", "8"], ["more than the 4 GPUs"]),
+    ("cpu-only", {"SITE_PARTITION": "two words"}, "6", [], ["SITE_PARTITION", "one word"]),
+    ("cpu-only", {}, "6", ["--nodes", "2"], ["one-node lesson"]),
+    ("cpu-only", {}, "2", ["--ntasks-per-node", "2"], ["single process"]),
+    ("nosuchsite", {}, "6", [], ["no site profile 'nosuchsite'", "perlmutter"]),
+    ("cpu-only", {}, "99", [], ["no launcher for '99'", "6_mnist_ddp_pt"]),
+]
+
+
+@pytest.mark.parametrize("site,env,lesson,extra,words", WRONG,
+                         ids=[f"{w[0]}-{'-'.join(w[1]) or ' '.join(w[3]) or w[2]}" for w in WRONG])
+def test_wrong_site_value_is_one_clear_line_and_nothing_is_submitted(fake_sbatch, site, env, lesson, extra,
+                                                                       words, tmp_path):
+    path_env, calls = fake_sbatch
+    for mode in ([], ["--dry-run"]):
+        done = submit(lesson, "--site", site, *extra, *mode, env={**path_env, **env}, cwd=tmp_path)
+        assert done.returncode == 1, done.stdout + done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("submit.sh: error: "), done.stderr
+        for word in words:
+            assert word in lines[0], (word, lines[0])
+        assert done.stdout == ""
+    assert not calls.exists(), "sbatch was called"
+    assert not (tmp_path / "logs").exists()
+
+
+# ------------------------------------------------------------------------------------------ sbatch --test-only
+
+@pytest.fixture(scope="module")
+def site_cluster():
+    """A second test Slurm dressed as the sites' GPU nodes: 128 CPUs and 4 typed GPUs (v100) per node,
+    node feature `gpu`, and the partition `booster` next to `debug`; accounts and qos are free (no
+    accounting). Separate from the session cluster, whose nodes other tests expect unchanged."""
+    reason = skip_reason()
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"Slurm test cluster unavailable in CI: {reason}", pytrace=False)
+        pytest.skip(f"Slurm test cluster unavailable: {reason}")
+    with SlurmCluster(cpus=128, gpus=4) as cluster:
+        for command in (["scontrol", "update", "NodeName=node[1-2]", "AvailableFeatures=gpu", "ActiveFeatures=gpu",
+                         "Gres=gpu:v100:4"],
+                        ["scontrol", "create", "PartitionName=booster", "Nodes=node[1-2]", "State=UP"]):
+            done = cluster.run(command)
+            assert done.returncode == 0, done.stderr
+        yield cluster
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("site", SITES)
+def test_every_launcher_passes_sbatch_test_only_with_every_profile(site_cluster, site, tmp_path):
+    env = {**site_cluster.env, **({"SITE_ACCOUNT": ACCOUNTS[site]} if site in ACCOUNTS else {})}
+    refused = []
+    for launcher in LAUNCHERS:
+        checked = submit(launcher.stem, "--site", site, "--test-only", env=env, cwd=tmp_path)
+        if checked.returncode != 0 or "to start at" not in checked.stdout:
+            refused.append(f"{launcher.stem}: {checked.stdout}{checked.stderr}")
+    assert not refused, "\n".join(refused)
+    assert not (tmp_path / "logs").exists()  # --test-only submits nothing
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("env,words", [
+    ({"SITE_PARTITION": "nosuch"}, ["invalid partition", "SITE_PARTITION (from the environment) ('nosuch')",
+                                     "sinfo -s"]),
+    ({"SITE_CONSTRAINT": "a100"}, ["feature", "SITE_CONSTRAINT"]),
+    ({"SITE_GPU_FLAG": "gres", "SITE_GPUS_PER_NODE": "8"}, ["node configuration", "GPU request"]),
+], ids=["partition", "constraint", "too-many-gpus"])
+def test_a_value_slurm_refuses_fails_before_submission(slurm_cluster, env, words, tmp_path):
+    done = submit("0", "--site", "cpu-only", env={**slurm_cluster.env, **env}, cwd=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("submit.sh: error: Slurm refuses 0_torch_dist"), done.stderr
+    assert lines[0].endswith("Nothing was submitted.")
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    assert "Submitted" not in done.stdout
+    queued = slurm_cluster.run(["squeue", "--noheader", "--name=0_torch_dist"])
+    assert queued.returncode == 0 and queued.stdout.strip() == ""
+    assert not (tmp_path / "logs").exists()
+
+
+# ------------------------------------------------------------------------------------------ real jobs
+
+# Small runs (2 ranks per node, one core each): the lesson arguments of each, and what its log must show.
+# Submitted longest first, so that the short ones fill the gaps; the day-2 jobs need both nodes at once.
+SMALL = ["--quick", "--train-samples", "3200"]  # 1 epoch, 50 steps for 1 rank; the whole test set
+RUNS = {
+    "11_mnist_ddp_pt_multinode_streaming": SMALL,
+    "10_mnist_ddp_pt_multinode": SMALL,
+    "9_torch_dist_multi_node": [],
+    # the curves are compared after --compare-after samples, smoothed over --smooth-samples: both small here
+    "8_mnist_ddp_pt_lr": ["--train-samples", "6400", "--epochs", "1", "--compare-after", "1280",
+                          "--smooth-samples", "1280"],
+    "7_mnist_ddp_pt_timing": SMALL,
+    "5_mnist_manual_ddp_profile": SMALL,
+    "3_mnist_distributed": SMALL,
+    "4_mnist_manual_ddp": SMALL,
+    "6_mnist_ddp_pt": SMALL,
+    "test-profile": [],
+    "2_mnist_training": SMALL,
+    "1_torch_dist_gpu": [],
+    "0_torch_dist": [],
+    "create_mnist_h5": ["--chunk-samples", "500", "--output", "{work}/made-by-job.h5"],
+}
+JOB_TIMEOUT = 420
+
+
+def accuracy(log: str, pattern: str) -> float:
+    found = re.findall(pattern, log)
+    assert found, f"no match for {pattern!r} in the log"
+    return float(found[-1])
+
+
+def check_0_torch_dist(log, work):
+    assert sorted(re.findall(r"\[rank (\d)\] all_reduce\(SUM\) = 3, mean = 1.5", log)) == ["0", "1"]
+
+
+def check_1_torch_dist_gpu(log, work):
+    assert "No CUDA GPU is visible" in log  # the CPU-only path, said out loud
+    assert sorted(re.findall(r"\[rank (\d)\] all_reduce\(SUM\) = 3, mean = 1.5", log)) == ["0", "1"]
+
+
+def check_2_mnist_training(log, work):
+    assert accuracy(log, r"test accuracy (0\.\d+) over the 10000 test images") > 0.5
+    assert (work / "runs/2_mnist_training/metrics.json").exists()
+
+
+def check_3_mnist_distributed(log, work):
+    assert "identical weights on all 2 ranks: True; identical data order: True." in log
+
+
+def check_4_mnist_manual_ddp(log, work):
+    assert accuracy(log, r"2 ranks x batch 64 = global batch 128; test accuracy (0\.\d+)") > 0.5
+    assert json.loads((work / "runs/4_mnist_manual_ddp/metrics.json").read_text())
+
+
+def check_5_mnist_manual_ddp_profile(log, work):
+    assert "gradient sync in the profiled steps" in log
+    traces = sorted(p.name.split(".")[0] for p in (work / "log_ddp").glob("rank*.pt.trace.json"))
+    assert traces == ["rank0", "rank1"], traces
+
+
+def check_6_mnist_ddp_pt(log, work):
+    assert accuracy(log, r"2 ranks x batch 64 = global batch 128; test accuracy (0\.\d+)") > 0.5
+
+
+def check_7_mnist_ddp_pt_timing(log, work):
+    # one job step per world size: the table holds 1 and 2 ranks
+    assert re.search(r"\| 1 x 1 \|", log) and re.search(r"\| 2 x 1 \|", log)
+    assert log.count("+ srun --kill-on-bad-exit=1 --ntasks=") == 2
+    assert (work / "runs/7_mnist_ddp_pt_timing/scaling.csv").exists()
+
+
+def check_8_mnist_ddp_pt_lr(log, work):
+    # first a one-task step makes the reference, then the job's 2 ranks compare with it (the bound itself
+    # is lesson 8's claim, tested in test_lesson8_lr.py)
+    assert log.index("1 process: this run is the reference") < log.index("lr 0.02 = base lr 0.01 x 2")
+    assert re.search(r"against 1 process at equal samples seen .* max \|gap\| [\d.]+ at \d+ samples", log)
+    deviation = json.loads((work / "runs/8_mnist_ddp_pt_lr/metrics.json").read_text())["deviation"]
+    assert deviation["max_abs"] >= 0 and deviation["after_samples"] == 1280
+
+
+def check_test_profile(log, work):
+    traces = sorted(p.name.split(".")[0] for p in (work / "log").glob("rank*.pt.trace.json"))
+    assert traces == ["rank0", "rank1"], traces
+
+
+def day2_spans_both_nodes(log):
+    assert re.search(r"\(node1\)", log) and re.search(r"\(node2\)", log), "the ranks did not span both nodes"
+    assert "4 ranks on 2 node(s)" in log
+
+
+def check_9_torch_dist_multi_node(log, work):
+    day2_spans_both_nodes(log)
+    assert sorted(re.findall(r"\[rank (\d)\] all_reduce\(SUM\) = 10, mean = 2.5", log)) == ["0", "1", "2", "3"]
+    assert "node 0 (node1): ranks 0(local 0) 1(local 1)" in log
+    assert "node 1 (node2): ranks 2(local 0) 3(local 1)" in log
+
+
+def check_10_mnist_ddp_pt_multinode(log, work):
+    day2_spans_both_nodes(log)
+    assert accuracy(log, r"global batch 256; test accuracy (0\.\d+)") > 0.5
+
+
+def check_11_mnist_ddp_pt_multinode_streaming(log, work):
+    day2_spans_both_nodes(log)
+    # the launcher wrote the HDF5 file once, in the batch script, into the job's data dir
+    assert f"wrote {work / 'data' / 'fashion-mnist-chunk1000.h5'}" in log
+    assert re.search(r"\b3200 training samples in \d+ chunks, each seen exactly once", log)
+    assert "replicas identical: True" in log
+
+
+def check_create_mnist_h5(log, work):
+    assert f"wrote {work / 'made-by-job.h5'}" in log and (work / "made-by-job.h5").exists()
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, dataset, tmp_path_factory):
+    """Every launcher submitted through submit.sh with the CPU-only profile, all at once; waits for all.
+
+    The jobs run in their own working directory (logs/, runs/, log_ddp/ land there) with a data dir
+    that links to the prepared dataset, so that lesson 11's HDF5 file is written there too.
+    """
+    from data_tools.datasets import default_data_dir, spec
+
+    work = tmp_path_factory.mktemp("slurm-launchers")
+    (work / "data").mkdir()
+    folder = spec(dataset).folder
+    (work / "data" / folder).symlink_to(default_data_dir() / folder)
+    env = {**slurm_cluster.env, "SITE_TASKS_PER_NODE": "2", "SITE_CPUS_PER_TASK": "1",
+           "COURSE_DATA_DIR": str(work / "data")}
+    submitted, results = {}, {}
+    order = list(RUNS)
+    for launcher in sorted(LAUNCHERS, key=lambda p: order.index(p.stem) if p.stem in order else -1):
+        args = [a.format(work=work) for a in RUNS.get(launcher.stem, [])]
+        shown = submit(launcher.stem, "--site", "cpu-only", "--dry-run", "--", *args, env=env, cwd=work)
+        done = submit(launcher.stem, "--site", "cpu-only", "--", *args, env=env, cwd=work)
+        assert done.returncode == 0, done.stdout + done.stderr
+        job_id = int(re.search(r"^Submitted batch job (\d+)$", done.stdout, flags=re.M).group(1))
+        submitted[launcher.stem] = (job_id, shown.stdout.strip(), done.stdout)
+    # The same launcher with a plain sbatch, as its header shows: without a profile (COURSE_REPO given
+    # instead of submitting from the repository root), and from a directory that is no course.
+    elsewhere = work / "elsewhere"
+    (elsewhere / "logs").mkdir(parents=True)
+    plain = ["sbatch", "--parsable", "--ntasks-per-node=2", "--cpus-per-task=1", str(SLURM / "0_torch_dist.sh")]
+    for name, cwd, extra_env in [("plain sbatch", work, {"COURSE_REPO": str(REPO)}), ("no course", elsewhere, {})]:
+        done = subprocess.run(plain, capture_output=True, text=True, cwd=cwd, timeout=60,
+                              env={**slurm_cluster.env, **extra_env})
+        assert done.returncode == 0, done.stderr
+        submitted[name] = (int(done.stdout.split(";")[0]), "", "")
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while len(results) < len(submitted):
+        for name, (job_id, _, _) in submitted.items():
+            info = slurm_cluster.job_info(job_id)
+            if name not in results and info.get("JobState") in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
+                                                                 "NODE_FAIL", "OUT_OF_MEMORY"}:
+                results[name] = info
+        if time.monotonic() > deadline:
+            for job_id, _, _ in submitted.values():
+                slurm_cluster.run(["scancel", str(job_id)])
+            pytest.fail(f"jobs still running after {JOB_TIMEOUT} s: {sorted(set(submitted) - set(results))}")
+        time.sleep(0.5)
+    return work, submitted, results
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS, ids=lambda p: p.stem)
+def test_launcher_runs_on_the_two_node_slurm(jobs, launcher):
+    work, submitted, results = jobs
+    name = launcher.stem
+    job_id, dry_run, submit_output = submitted[name]
+    # submit.sh ran exactly the command that --dry-run printed
+    assert f"submit.sh: {dry_run}\n" in submit_output
+    log_file = work / "logs" / f"{name}-{job_id}.out"
+    assert f"submit.sh: log: logs/{name}-{job_id}.out" in submit_output
+    log = log_file.read_text()
+    info = results[name]
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log
+    # the launcher's frame: start, resolved settings, the exact commands, end with the exit code
+    assert re.match(rf"==== {re.escape(name)} {job_id}: started \S+ \S+ \S+ on node[12]\n", log), log[:200]
+    assert f"site profile       {SITES_DIR / 'cpu-only.env'}" in log
+    assert re.search(rf"==== {re.escape(name)} {job_id}: ended .* exit code 0\n$", log), log[-300:]
+    assert "\n+ " in log
+    if is_day2(launcher):
+        assert "nodes              2 (node[1-2])" in log
+        assert "tasks (ranks)      4, 2 per node" in log
+    else:
+        assert "nodes              1 (node" in log
+    check = globals().get(f"check_{name.replace('-', '_')}")
+    assert check is not None, f"no expected result for {name}: add check_{name.replace('-', '_')} and RUNS"
+    check(log, work)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_plain_sbatch_runs_a_launcher_without_a_profile(jobs):
+    work, submitted, results = jobs
+    job_id = submitted["plain sbatch"][0]
+    log = (work / "logs" / f"0_torch_dist-{job_id}.out").read_text()
+    assert results["plain sbatch"]["ExitCode"] == "0:0", log
+    assert "site profile       none (plain sbatch" in log
+    if (REPO / ".venv" / "bin" / "activate").exists():  # no profile: the course's own venv
+        assert f"python             {REPO}/.venv/bin/python" in log
+    assert sorted(re.findall(r"\[rank (\d)\] all_reduce\(SUM\) = 3, mean = 1.5", log)) == ["0", "1"]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_launcher_submitted_outside_the_course_says_where_it_looked(jobs):
+    work, submitted, results = jobs
+    job_id = submitted["no course"][0]
+    log = (work / "elsewhere" / "logs" / f"0_torch_dist-{job_id}.out").read_text()
+    assert results["no course"]["ExitCode"] == "1:0", log
+    assert f"error: no course in {work / 'elsewhere'}: submit from the repository root or export COURSE_REPO" in log
+    assert "srun" not in log
+
+
+def test_port_check_ignores_time_wait_but_not_a_listener():
+    """Lessons 7 and 8 run several job steps in one job: the same job id, so the same derived port, which
+    the previous step's rank 0 left in TIME_WAIT. That port is free to listen on (the TCPStore sets
+    SO_REUSEADDR); a port someone listens on is not."""
+    import socket
+
+    from course.cli import CourseError
+    from course.launch import _check_port_free
+
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore listens
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with pytest.raises(CourseError, match=f"port {port} on node1 is already in use"):
+            _check_port_free("node1", port)
+        client = socket.create_connection(("127.0.0.1", port))
+        server_side, _ = listener.accept()
+        server_side.close()  # the side that closes first keeps the port in TIME_WAIT
+        client.close()
+    time_wait = subprocess.run(["ss", "-tanH", "state", "time-wait", f"( sport = :{port} )"],
+                               capture_output=True, text=True)
+    if time_wait.returncode == 0:
+        assert time_wait.stdout.strip(), "expected the port in TIME_WAIT"
+    _check_port_free("node1", port)  # no exception
