@@ -30,7 +30,8 @@ def plan(nproc: int, device: str, quick: bool):
         ("day1/4_mnist_manual_ddp.py", q + d + n, "runs/4_mnist_manual_ddp", "manual DDP"),
         ("day1/5_mnist_manual_ddp_profile.py", q + d + n, None, "profiled into ./log_ddp"),
         ("day1/6_mnist_ddp_pt.py", q + d + n, "runs/6_mnist_ddp_pt", "torch DDP"),
-        ("day1/7_mnist_ddp_pt_timing.py", q + d + [str(nproc)], "runs/7_mnist_ddp_pt_timing", "timing"),
+        ("day1/7_mnist_ddp_pt_timing.py", q + d + [str(nproc), "--sweep"], "runs/7_mnist_ddp_pt_timing",
+         "timing: world sizes 1..N"),
         ("day1/8_mnist_ddp_pt_lr.py", q + d + n, "runs/8_mnist_ddp_pt_lr", "LR scaling vs 1 process"),
         ("day1/test-profile.py", n, None, "small profile into ./log"),
     ]
