@@ -340,7 +340,7 @@ def check_7_mnist_ddp_pt_timing(log, work):
 def check_8_mnist_ddp_pt_lr(log, work):
     # first a one-task step makes the reference, then the job's 2 ranks compare with it (the bound itself
     # is lesson 8's claim, tested in test_lesson8_lr.py)
-    assert log.index("1 process: this run is the reference") < log.index("lr 0.02 = base lr 0.01 x 2")
+    assert log.index("1 process: this run is the reference") < log.index("lr 0.02 (base lr 0.01 x 2 ranks)")
     assert re.search(r"against 1 process at equal samples seen .* max \|gap\| [\d.]+ at \d+ samples", log)
     deviation = json.loads((work / "runs/8_mnist_ddp_pt_lr/metrics.json").read_text())["deviation"]
     assert deviation["max_abs"] >= 0 and deviation["after_samples"] == 1280
