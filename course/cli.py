@@ -87,14 +87,40 @@ def parse(p: Parser, argv=None) -> argparse.Namespace:
         args.train_samples = args.train_samples or QUICK_TRAIN_SAMPLES
     run_dir = getattr(args, "run_dir", None)
     if run_dir is not None:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if not os.access(run_dir, os.W_OK):
-                raise PermissionError("not writable")
-        except OSError as e:
-            p.exit(2, f"{p.prog}: error: run dir {run_dir} cannot be written ({e.strerror or e}); "
+        problem = unwritable(run_dir)
+        if problem:
+            p.exit(2, f"{p.prog}: error: run dir {run_dir} cannot be written ({problem}); "
                       f"choose another with --run-dir\n")
     return args
+
+
+def unwritable(directory: Path):
+    """Why `directory` could not be created or written, or None.  Tried for real (only trying tells, for root
+    or on a read-only mount), then the directories this check made are removed again: a run that stops on bad
+    input (no data, a wrong option) leaves no empty run dir behind; the writers create it when they write."""
+    directory = Path(directory).absolute()
+    made = []
+    try:
+        missing = directory
+        while not missing.exists() and missing != missing.parent:
+            made.append(missing)
+            missing = missing.parent
+        for d in reversed(made):
+            d.mkdir()
+        if not directory.is_dir():
+            return "it is a file"
+        if not os.access(directory, os.W_OK | os.X_OK):
+            return "Permission denied"
+        return None
+    except OSError as e:
+        made = [d for d in made if d.exists()]
+        return e.strerror or str(e)
+    finally:
+        for d in made:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
 
 
 def main(run, p: Parser, argv=None) -> None:

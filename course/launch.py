@@ -49,16 +49,14 @@ def detect_launcher() -> str:
 
 
 def how_to_launch(lesson: str, lesson_args: str = "") -> str:
-    """What to type to start a multi-node lesson (day 2), which never spawns its own workers."""
+    """What to type to start a multi-node lesson (day 2), which never spawns its own workers: one line."""
     name, args = Path(lesson).name, f" {lesson_args}" if lesson_args else ""
-    inside = ""
+    where = "no launcher started it"
     if "SLURM_JOB_ID" in os.environ:  # a batch script's shell or salloc's shell: a job, but not an srun step
-        inside = (f"\n  you are inside Slurm job {os.environ['SLURM_JOB_ID']} but not in a job step: "
-                  f"start the ranks with srun or the script below")
-    return (f"this multi-node lesson does not start its own processes; launch it with{inside}\n"
-            f"  Slurm:        salloc --nodes 2 --ntasks-per-node=4 --time=00:30:00   (then, in that shell)\n"
-            f"                ./day2/multinode_setup_and_run.sh {name}{args}\n"
-            f"  one machine:  torchrun --standalone --nproc_per_node=4 {lesson}{args}")
+        where = f"you are inside Slurm job {os.environ['SLURM_JOB_ID']} but not in a job step"
+    return (f"this multi-node lesson does not start its own processes ({where}): in a Slurm allocation "
+            f"(salloc --nodes 2 --ntasks-per-node=4) run ./day2/multinode_setup_and_run.sh {name}{args}; "
+            f"on one machine run torchrun --standalone --nproc_per_node=4 {lesson}{args}")
 
 
 def require_launcher(lesson: str, lesson_args: str = "") -> None:
@@ -147,7 +145,8 @@ def _srun_info() -> RankInfo:
     # "2(x2),1" style: take this node's count from SLURM_STEP_TASKS_PER_NODE, else assume uniform
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_NTASKS_PER_NODE", "1"))
     local_world = int(per_node.split("(")[0].split(",")[0])
-    os.environ.setdefault("MASTER_ADDR", slurm_master_addr())
+    if "MASTER_ADDR" not in os.environ:  # not setdefault(): that would ask scontrol even when it is set
+        os.environ["MASTER_ADDR"] = slurm_master_addr()
     os.environ.setdefault("MASTER_PORT", str(slurm_master_port()))
     if rank == 0:
         _check_master_addr_is_here(os.environ["MASTER_ADDR"])
@@ -173,8 +172,10 @@ def _run(worker, info: RankInfo, args):
     except (CourseError, DataError) as e:
         print(f"[rank {info.rank}] error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except torch.distributed.DistError as e:  # gloo/NCCL/store failures: one line, not a C++ traceback
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except RuntimeError as e:  # gloo/NCCL/store failures: one line, not pages of C++ traceback
+        if not _communication_error(e):
+            raise
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         if torch.distributed.is_initialized():
             what = ("communication with the other ranks failed; another rank probably crashed or was killed "
                     "(see its messages)")
@@ -184,6 +185,13 @@ def _run(worker, info: RankInfo, args):
                     f"every rank was started with the same world size")
         print(f"[rank {info.rank}] error: {what} ({type(e).__name__}: {first})", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def _communication_error(e: RuntimeError) -> bool:
+    """torch.distributed's own errors, and the plain RuntimeErrors gloo and NCCL raise from a collective."""
+    text = str(e)
+    return isinstance(e, torch.distributed.DistError) or any(
+        marker in text for marker in ("gloo/transport", "Gloo connectFullMesh", "ProcessGroupNCCL", "NCCL error"))
 
 
 def _spawned(index: int, worker, nproc: int, args):
@@ -214,9 +222,14 @@ def launch(worker, args, nproc: int = None) -> None:
                 pass
         except torch.multiprocessing.ProcessExitedException as e:
             # join() has already terminated the other ranks: one failed rank ends the job
-            how = (f"was killed by {signal.Signals(-e.exit_code).name}" if e.exit_code < 0
-                   else f"exited with code {e.exit_code}")
-            raise CourseError(f"rank {e.error_index} {how}; the other ranks were stopped") from None
+            index, code = e.error_index, e.exit_code
+            for i, process in enumerate(ranks.processes):
+                if code > 0 and process.exitcode is not None and process.exitcode < 0 \
+                        and process.exitcode != -signal.SIGTERM:
+                    index, code = i, process.exitcode  # killed (SIGKILL, OOM...): the others failed because of it
+                    break
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            raise CourseError(f"rank {index} {how}; the other ranks were stopped") from None
         except torch.multiprocessing.ProcessRaisedException as e:
             last = str(e).strip().splitlines()[-1]
             print(str(e), file=sys.stderr)

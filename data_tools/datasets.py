@@ -119,10 +119,43 @@ def load_split(dataset: str, split: str, data_dir=None):
 
 
 def require(dataset: str, data_dir=None) -> None:
-    """Fail fast (before any process is started) if the dataset is not prepared."""
+    """Fail fast (before any process is started) if the dataset is not prepared, or visibly damaged."""
     data_dir = Path(data_dir) if data_dir else default_data_dir()
-    if not (data_dir / spec(dataset).folder / "READY").exists():
+    folder = data_dir / spec(dataset).folder
+    if not (folder / "READY").exists():
         raise DataError(f"{dataset} is not prepared in {data_dir}; run: {prepare_command(dataset, data_dir)}")
+    # Headers and sizes only (a few bytes per file): a truncated or foreign file is one message here, in the
+    # launching process, rather than one per rank; load_split() still validates everything it reads.
+    for images, labels, n in SPLITS.values():
+        for name, magic, shape in ((images, IMAGES_MAGIC, (n, 28, 28)), (labels, LABELS_MAGIC, (n,))):
+            problem = _idx_header_problem(folder / "raw" / name, magic, shape)
+            if problem:
+                raise DataError(f"{dataset} in {data_dir} is damaged ({folder / 'raw' / name}: {problem}); "
+                                f"rebuild it with: {prepare_command(dataset, data_dir)} --force")
+
+
+def _idx_header_problem(path: Path, magic: int, shape: tuple):
+    """What is wrong with an (uncompressed) IDX file's header and size, or None."""
+    import struct
+
+    header_size = 4 + 4 * len(shape)
+    try:
+        with open(path, "rb") as f:
+            header = f.read(header_size)
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "file not found"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if len(header) < 4 or struct.unpack(">I", header[:4])[0] != magic:
+        found = f"0x{struct.unpack('>I', header[:4])[0]:08x}" if len(header) >= 4 else "none"
+        return f"magic number {found}, expected 0x{magic:08x} (wrong file, or not an IDX file)"
+    if len(header) < header_size or struct.unpack(f">{len(shape)}I", header[4:]) != tuple(shape):
+        return f"shape is not {tuple(shape)}"
+    expected = header_size + int(np.prod(shape))
+    if size != expected:
+        return f"{'truncated' if size < expected else 'has trailing bytes'}: {size} bytes, expected {expected}"
+    return None
 
 
 # ----------------------------------------------------------------------------------------- preparation
@@ -237,7 +270,7 @@ class InMemoryMNIST:
 
     The dataset is 47 MB as uint8 and 188 MB as float32: it fits in memory (and on any GPU), so the hot
     path is one tensor index per batch instead of N per-sample PIL -> ToTensor conversions.  Index it with a
-    list of indices (what a BatchSampler yields) to get a whole batch at once.
+    list of indices to get a whole batch at once; `batches()` below is the fast way through an epoch.
     """
 
     def __init__(self, dataset: str, split: str, data_dir=None, device="cpu", limit: int = 0):
@@ -261,14 +294,74 @@ class InMemoryMNIST:
 
 
 def batches(dataset, sampler, batch_size: int, drop_last: bool = False):
-    """A DataLoader yielding whole batches of an InMemoryMNIST in the order the sampler gives.
+    """Whole batches (images, labels) of an InMemoryMNIST, in the order the sampler gives.
 
-    batch_size=None turns off the DataLoader's per-sample collation: each list of indices from the
-    BatchSampler goes to the dataset in one call.
+    The sampler (RandomSampler, DistributedSampler, a list of indices) is read once per pass into one index
+    tensor, on the dataset's device; each batch is then a slice of it and one index_select per tensor.  A
+    DataLoader over a BatchSampler gives the same batches, bit for bit, 3-5x slower: a list of Python
+    ints and a DataLoader step per batch (benchmarks/bench.py, section input).  As with a DataLoader, call
+    `sampler.set_epoch(e)` before the loop.
     """
-    from torch.utils.data import BatchSampler, DataLoader
+    return _Batches(dataset, sampler, batch_size, drop_last)
 
-    return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last), batch_size=None)
+
+class _Batches:
+    def __init__(self, dataset, sampler, batch_size: int, drop_last: bool):
+        self.dataset, self.sampler, self.batch_size, self.drop_last = dataset, sampler, batch_size, drop_last
+
+    def __len__(self):
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self):
+        import torch
+
+        images, labels = self.dataset.images, self.dataset.labels
+        order = sampler_order(self.sampler)
+        if self.drop_last:
+            order = order[:len(order) - len(order) % self.batch_size]
+        for index in order.to(labels.device).split(self.batch_size) if len(order) else ():
+            yield images.index_select(0, index), labels.index_select(0, index)
+
+
+def sampler_order(sampler):
+    """The indices one pass over `sampler` yields, as an int64 tensor, exactly as iterating it would.
+
+    torch's own samplers (SequentialSampler, RandomSampler without replacement, DistributedSampler) are
+    computed here as tensors with the same generator calls as their __iter__ (torch 2.x): their __iter__
+    turns a tensor into 60 000 Python ints, which an epoch would then read back one by one, a quarter of its
+    time.  Anything else (a list, a range, a custom sampler, a subclass) is iterated.
+    """
+    import torch
+    from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
+
+    kind = type(sampler)
+    if kind is SequentialSampler:
+        return torch.arange(len(sampler.data_source))
+    if kind is RandomSampler and not sampler.replacement:
+        n, wanted = len(sampler.data_source), sampler.num_samples
+        generator = sampler.generator
+        if generator is None:  # what RandomSampler does: a fresh generator seeded from the global one
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+        parts = [torch.randperm(n, generator=generator) for _ in range(wanted // n)]
+        parts.append(torch.randperm(n, generator=generator)[:wanted % n])
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+    if kind is DistributedSampler:
+        n = len(sampler.dataset)
+        if sampler.shuffle:  # the same permutation on every rank: seed + epoch
+            g = torch.Generator()
+            g.manual_seed(sampler.seed + sampler.epoch)
+            indices = torch.randperm(n, generator=g)
+        else:
+            indices = torch.arange(n)
+        if sampler.total_size > n:  # pad with the first indices again (repeated if need be)
+            padding = sampler.total_size - n
+            indices = torch.cat([indices, indices.repeat(-(-padding // n))[:padding]])
+        # every num_replicas-th from this rank's, up to total_size (drop_last: the tail is cut here)
+        return indices[sampler.rank:sampler.total_size:sampler.num_replicas].clone()
+    return torch.from_numpy(np.fromiter(sampler, dtype=np.int64))
 
 
 def main_prepare(argv=None) -> int:

@@ -198,6 +198,7 @@ def config(row) -> tuple:
 
 @contextmanager
 def locked(run_dir: Path):
+    run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / ".timings.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two runs writing one run dir add both rows, never lose one
         yield

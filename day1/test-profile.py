@@ -8,7 +8,7 @@
 No dataset: random images and labels, generated in memory.  In under a minute it checks the whole chain
 before the real lessons: processes start and find each other, DDP synchronizes gradients, torch.profiler
 writes one trace per rank (`rank{r}.<time>.pt.trace.json`), rank 0 writes TensorBoard scalars, and
-`tensorboard --logdir ./log` shows them.  Lesson 5 explains what the traces show.
+`tensorboard --logdir ./log --host 127.0.0.1` shows them.  Lesson 5 explains what the traces show.
 """
 import sys
 import time

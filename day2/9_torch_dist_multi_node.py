@@ -6,11 +6,13 @@ Inside a Slurm allocation (salloc --nodes 2 --ntasks-per-node=4 ..., or in an sb
     ./day2/multinode_setup_and_run.sh --launcher torchrun 9_torch_dist_multi_node.py  # srun: torchrun per node
     srun python day2/9_torch_dist_multi_node.py         # plain srun works too: MASTER_ADDR from the node list
 
-On one machine, two "nodes" (two torchrun agents, in two terminals), or one:
+On one machine, two "nodes" (two torchrun agents, in two terminals), or one.  The port is derived from
+your user id, so that two users on one node do not collide (as one fixed port would):
 
-    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=2 --master_addr=127.0.0.1 --master_port=29400 \\
+    PORT=$((20000 + $(id -u) % 20000))
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=2 --master_addr=127.0.0.1 --master_port=$PORT \\
         day2/9_torch_dist_multi_node.py
-    torchrun --nnodes=2 --node_rank=1 --nproc_per_node=2 --master_addr=127.0.0.1 --master_port=29400 \\
+    torchrun --nnodes=2 --node_rank=1 --nproc_per_node=2 --master_addr=127.0.0.1 --master_port=$PORT \\
         day2/9_torch_dist_multi_node.py
     torchrun --standalone --nproc_per_node=4 day2/9_torch_dist_multi_node.py
 

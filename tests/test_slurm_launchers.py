@@ -83,11 +83,13 @@ def test_launcher_shape(launcher):
     # the launcher runs its own lesson, and every srun stops all ranks when one fails
     script = lesson_files()[name]
     assert str(script.relative_to(REPO)) in text or f" {script.name} " in text
-    sruns = re.findall(r"^\s*step srun .*$", text, flags=re.M)
+    sruns = re.findall(r"^\s*(?:step )?srun .*$", text, flags=re.M)
     assert all("--kill-on-bad-exit=1" in s for s in sruns), sruns
     if is_day2(launcher):
         assert options["nodes"] == "2"
-        assert "day2/multinode_setup_and_run.sh" in text  # finds rank 0, then srun --kill-on-bad-exit=1
+        # multinode_setup_and_run.sh finds rank 0, then runs srun --kill-on-bad-exit=1; lesson 12's launcher
+        # runs srun itself (in the background, so that its trap can pass SIGUSR1 on)
+        assert "day2/multinode_setup_and_run.sh" in text or sruns
     else:
         assert options["nodes"] == "1"
         assert sruns, "day-1 launchers start their ranks with srun"
@@ -271,6 +273,7 @@ def test_a_value_slurm_refuses_fails_before_submission(slurm_cluster, env, words
 # Submitted longest first, so that the short ones fill the gaps; the day-2 jobs need both nodes at once.
 SMALL = ["--quick", "--train-samples", "3200"]  # 1 epoch, 50 steps for 1 rank; the whole test set
 RUNS = {
+    "12_ddp_fault_tolerance": SMALL,
     "11_mnist_ddp_pt_multinode_streaming": SMALL,
     "10_mnist_ddp_pt_multinode": SMALL,
     "9_torch_dist_multi_node": [],
@@ -374,6 +377,13 @@ def check_11_mnist_ddp_pt_multinode_streaming(log, work):
     assert f"wrote {work / 'data' / 'fashion-mnist-chunk1000.h5'}" in log
     assert re.search(r"\b3200 training samples in \d+ chunks, each seen exactly once", log)
     assert "replicas identical: True" in log
+
+
+def check_12_ddp_fault_tolerance(log, work):
+    assert re.search(r"on node1 \(srun, restart 0\)", log) and re.search(r"on node2 \(srun, restart 0\)", log), \
+        "the ranks did not span both nodes"
+    assert "run 1 of job" in log and "requeueing" not in log  # not signalled: one run, no requeue
+    assert accuracy(log, r"resumed at steps none; test accuracy (0\.\d+)") > 0.5
 
 
 def check_create_mnist_h5(log, work):

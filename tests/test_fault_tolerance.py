@@ -1,0 +1,418 @@
+"""Lesson 12: a run stopped by a signal at a random step, or by a crashed rank, resumes to the weights of the
+run that was never interrupted, bit for bit; torn checkpoints are skipped; the launcher requeues on Slurm.
+
+All runs: 2 ranks, gloo on the CPU, one thread per rank, 1600 samples, batch 32 per rank: 25 steps per epoch,
+2 epochs, a checkpoint every 7 steps.  The interrupted runs sleep 0.1 s per step (--step-sleep: it changes
+the timing, not the arithmetic) so that a signal sent after a chosen step lands in the middle of training.
+"""
+import fcntl
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, metrics, run
+
+pytestmark = pytest.mark.slow
+
+LESSON = REPO / "day2" / "12_ddp_fault_tolerance.py"
+LAUNCHER = REPO / "slurm" / "12_ddp_fault_tolerance.sh"
+STEPS = 50  # 2 epochs x 1600 samples / (2 ranks x 32)
+TRAIN = ["--train-samples", "1600", "--epochs", "2", "--batch-size", "32", "--seed", "5",
+         "--checkpoint-every", "7", "--log-every", "1"]
+DETERMINISTIC = {"OMP_NUM_THREADS": "1"}  # the same threads per rank in every run: the same float sums
+# torchrun shares its rendezvous store with the workers; after a restart they can read the previous round's
+# addresses from it and fail to connect (pytorch/pytorch#135712, measured here 2 runs in 3): a store per round
+FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+class Running:
+    """A command started in the background whose output (stdout and stderr together) is read as it comes."""
+
+    def __init__(self, cmd, env=None, cwd=REPO):
+        self.cmd = [str(c) for c in cmd]
+        self.proc = subprocess.Popen(self.cmd, cwd=cwd, env={**os.environ, **DETERMINISTIC, **(env or {})},
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.lines, self.changed = [], threading.Condition()
+        self.tree = {}  # pid -> start time of every process ever seen below this one
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+        with self.changed:
+            self.changed.notify_all()
+
+    @property
+    def output(self) -> str:
+        with self.changed:
+            return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float = 180) -> re.Match:
+        """The first match of `pattern` in the output; fails if the process ends or time runs out first."""
+        deadline = time.monotonic() + timeout
+        regex = re.compile(pattern, re.M)
+        while True:
+            self.record_tree()
+            found = regex.search(self.output)
+            if found:
+                return found
+            if self.proc.poll() is not None and found is None:
+                time.sleep(0.2)  # the reader thread may still hold the last lines
+                if not regex.search(self.output):
+                    raise AssertionError(f"exited {self.proc.returncode} before /{pattern}/:\n{self.output}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"no /{pattern}/ within {timeout} s:\n{self.output}")
+            with self.changed:
+                self.changed.wait(0.1)
+
+    def record_tree(self):
+        for pid in descendants(self.proc.pid):
+            self.tree.setdefault(pid, start_time(pid))
+
+    def finish(self, timeout: float = 180) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"still running after {timeout} s:\n{self.output}") from None
+        time.sleep(0.2)
+        return code
+
+    def kill(self):
+        """End this command and everything below it (test cleanup, by PID)."""
+        self.record_tree()
+        for pid, started in self.tree.items():
+            if is_alive(pid, started):
+                os.kill(pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def left_behind(self, grace: float = 5.0) -> list:
+        """Processes of this command still running `grace` seconds after it ended (zombies count as ended)."""
+        deadline = time.monotonic() + grace
+        while True:
+            alive = [pid for pid, started in self.tree.items() if is_alive(pid, started)]
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.1)
+
+
+def _stat(pid: int):
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()  # fields after the command name: state, ppid, ...
+
+
+def start_time(pid: int):
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None  # field 22 of stat: start time in clock ticks
+
+
+def is_alive(pid: int, started) -> bool:
+    fields = _stat(pid)
+    return bool(fields) and fields[0] != "Z" and int(fields[19]) == started  # same pid, same process
+
+
+def descendants(root: int) -> list:
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat(int(entry.name))
+            if fields:
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def rank_pids(running: Running, world: int = 2) -> dict:
+    """rank -> pid, from the "[rank r] pid P on HOST" line every rank of lesson 12 prints after init."""
+    pids = {}
+    for r in range(world):
+        pids[r] = int(running.wait_for(rf"^\[rank {r}\] pid (\d+) on ").group(1))
+    return pids
+
+
+def lesson12(*args, run_dir, launcher="self", torchrun=()):
+    if launcher == "self":
+        cmd = [PYTHON, LESSON, "--nproc", "2", *TRAIN, "--run-dir", run_dir, *args]
+    else:
+        cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *torchrun,
+               LESSON, *TRAIN, "--run-dir", run_dir, *args]
+    return cmd
+
+
+def weights(run_dir) -> dict:
+    return torch.load(Path(run_dir) / "model.pt", map_location="cpu", weights_only=True)
+
+
+def assert_bitwise_equal(a_dir, b_dir):
+    a, b = weights(a_dir), weights(b_dir)
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"weights differ in {differ}"
+    assert metrics(a_dir)["loss_per_step"] == metrics(b_dir)["loss_per_step"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, dataset):
+    """The uninterrupted run every other run must equal."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    run(lesson12(run_dir=run_dir), env=DETERMINISTIC)
+    m = metrics(run_dir)
+    assert m["steps"] == STEPS and m["stops"] == [] and m["resumed_at"] == []
+    return run_dir
+
+
+# ----------------------------------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("sig, target", [("SIGUSR1", "one rank"), ("SIGTERM", "the launcher")])
+def test_stopped_at_a_random_step_and_resumed_equals_the_uninterrupted_run(reference, tmp_path, sig, target):
+    """One rank: only that rank gets the signal; the all_reduce of the stop flag must stop the other too.
+    The launcher: `python lesson.py --nproc 2` passes it on to both ranks.  In the second case the newest
+    checkpoint is then torn (cut in half), a garbage file with a newer step and a writer's leftover temporary
+    file are added: the run must skip them and resume from the newest valid checkpoint, the periodic one."""
+    choice = random.Random()
+    after, victim = choice.randint(8, 40), choice.randint(0, 1)
+    note = f"{sig} to {target} after step {after} (rank {victim} if one rank)"
+    first = Running(lesson12("--step-sleep", "0.1", run_dir=tmp_path))
+    try:
+        pids = rank_pids(first)
+        first.wait_for(rf"^\[rank 0\] step {after} ")
+        with open(tmp_path / "checkpoints" / ".lock") as lock, pytest.raises(BlockingIOError):
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by the running lesson: no second run here
+        os.kill(pids[victim] if target == "one rank" else first.proc.pid, getattr(signal, sig))
+        assert first.finish() == 0, f"{note}\n{first.output}"
+    finally:
+        first.kill()
+    stop = step_of_stop(tmp_path, first.output)
+    assert after <= stop < STEPS, f"{note}: stopped after step {stop}\n{first.output}"
+    assert not (tmp_path / "metrics.json").exists()  # a stopped run writes no results, only its checkpoint
+
+    ckpts = tmp_path / "checkpoints"
+    ckpt = torch.load(ckpts / f"step-{stop:09d}.pt", map_location="cpu", weights_only=True)
+    assert ckpt["step"] == stop and ckpt["epoch"] * 25 + ckpt["batches_done"] == stop
+    assert ckpt["sampler_seed"] == 5 and len(ckpt["rng"]["cpu"]) == 2
+    assert {"model", "optimizer"} <= ckpt.keys() and ckpt["optimizer"]["state"]  # momentum buffers included
+    signalled = {victim: sig} if target == "one rank" else {0: sig, 1: sig}
+    assert ckpt["stops"] == [{"step": stop, "signals": signalled}], note
+
+    resume_from = stop
+    if target == "the launcher":
+        newest = ckpts / f"step-{stop:09d}.pt"
+        newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # torn: a write cut in half
+        (ckpts / "step-000000060.pt").write_bytes(os.urandom(5000))             # garbage with a newer name
+        (ckpts / ".step-000000061.pt.999.tmp").write_bytes(b"half a write")     # a writer killed mid-write
+        resume_from = (stop - 1) // 7 * 7  # the periodic checkpoint before the stop (--keep 2 kept it)
+    out = run(lesson12(run_dir=tmp_path), env=DETERMINISTIC).stdout
+    if target == "the launcher":
+        assert re.search(r"skipping checkpoint \S+step-000000060.pt \(torn or invalid", out), out
+        assert re.search(rf"skipping checkpoint \S+step-{stop:09d}.pt \(torn or invalid", out), out
+    assert f"resuming from {ckpts / f'step-{resume_from:09d}.pt'}: step {resume_from}" in out, f"{note}\n{out}"
+    m = metrics(tmp_path)
+    assert m["resumed_at"] == [resume_from] and m["steps"] == STEPS, note
+    assert m["stops"] == ([{"step": stop, "signals": {str(r): s for r, s in signalled.items()}}]
+                          if resume_from == stop else [])  # the torn checkpoint took its record with it
+    assert_bitwise_equal(tmp_path, reference)
+    assert m["evaluations"] == metrics(reference)["evaluations"]
+
+
+def step_of_stop(run_dir, output) -> int:
+    found = re.search(r"^\[rank 0\] stopped after step (\d+) of 50 \((.*)\); checkpoint (\S+);", output, re.M)
+    assert found, output
+    assert Path(found.group(3)) == run_dir / "checkpoints" / f"step-{int(found.group(1)):09d}.pt"
+    return int(found.group(1))
+
+
+def test_torchrun_max_restarts_restarts_a_killed_rank_from_the_checkpoint(reference, tmp_path):
+    """A crashed rank cannot checkpoint: torchrun --max-restarts=1 stops the other one, starts both again,
+    and they resume from the newest periodic checkpoint, then end exactly as the uninterrupted run."""
+    after = random.Random().randint(8, 40)
+    job = Running(lesson12("--step-sleep", "0.1", run_dir=tmp_path, launcher="torchrun",
+                           torchrun=["--max-restarts=1", "--monitor-interval=0.5"]), env=FRESH_STORE)
+    try:
+        pids = rank_pids(job)
+        job.wait_for(rf"^\[rank 0\] step {after} ")
+        os.kill(pids[1], signal.SIGKILL)
+        assert job.finish() == 0, job.output
+    finally:
+        job.kill()
+    assert re.search(r"\[rank 1\] pid \d+ on \S+ \(torchrun, restart 1\)", job.output), job.output
+    m = metrics(tmp_path)
+    assert m["restarts"] == 1 and m["stops"] == []
+    assert len(m["resumed_at"]) == 1 and 7 <= m["resumed_at"][0] <= after and m["resumed_at"][0] % 7 == 0, m
+    assert_bitwise_equal(tmp_path, reference)
+    assert not job.left_behind()
+
+
+def test_a_second_run_on_a_run_dir_in_use_stops_and_touches_nothing(dataset, tmp_path):
+    """The run using a run dir holds a lock on its checkpoint dir (the random-step tests check that it does,
+    while it trains); another run on the same dir stops with one line and leaves its files alone."""
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    (ckpts / "step-000000007.pt").write_bytes(b"the first run's checkpoint")
+    with open(ckpts / ".lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running lesson 12 holds it
+        lock.write("pid 4242 on node7\n")
+        lock.flush()
+        second = run([PYTHON, LESSON, "--nproc", "1", "--run-dir", tmp_path], check=False)
+    lines = [line for line in second.stderr.splitlines() if line.strip()]
+    assert second.returncode == 1 and len(lines) == 1, second.stderr
+    assert lines[0] == (f"[rank 0] error: {ckpts} is used by another run (pid 4242 on node7); wait for it to end, "
+                        f"or give this run its own --run-dir")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [".lock", "checkpoints", "step-000000007.pt"]
+    assert (ckpts / "step-000000007.pt").read_bytes() == b"the first run's checkpoint"
+
+
+# ----------------------------------------------------------------------------------------------- Slurm
+
+def submit(cluster, *sbatch_options, args, env=""):
+    (cluster.workdir / "logs").mkdir(exist_ok=True)  # the launcher's --output=logs/%x-%j.out
+    done = cluster.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1",
+                        f"--export=ALL,COURSE_REPO={REPO},OMP_NUM_THREADS=1{env}", *sbatch_options,
+                        str(LAUNCHER), *map(str, args)], timeout=60)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.strip().split(";")[0])
+
+
+def follow_requeue(cluster, job: int, timeout: float = 400, while_running=None) -> dict:
+    """Wait for the job to end; when it waits in the queue after a requeue, let it start again at once.
+
+    A requeued job is held for a while (measured: ~150 s, its BeginTime) before it may start again, as it
+    would wait for a free node on a busy cluster; the test moves its start to now, and gives the second run
+    a longer time limit so that only the first run is signalled."""
+    deadline, log = time.monotonic() + timeout, cluster.workdir / "logs" / f"12_ddp_fault_tolerance-{job}.out"
+    released = set()
+    while time.monotonic() < deadline:
+        info = cluster.job_info(job)
+        state, restarts = info.get("JobState"), info.get("Restarts", "0")
+        if state == "PENDING" and restarts != "0" and restarts not in released:
+            cluster.wait_for_idle_nodes(60)
+            time.sleep(1)  # idle in sinfo; give the nodes' last clean-up a moment before the job starts again
+            update = cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now", "TimeLimit=10"])
+            assert update.returncode == 0, update.stderr
+            released.add(restarts)
+        if state == "RUNNING" and while_running:
+            while_running(log.read_text() if log.exists() else "")
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            text = log.read_text() if log.exists() else ""
+            if state != "COMPLETED":  # what Slurm said about it, for the assertion message
+                text += f"\n--- scontrol: {info}\n" + "\n".join(
+                    cluster._log_tail(name, 15) for name in ("slurmctld.log", "slurmd.node1.log", "slurmd.node2.log"))
+            return {**info, "log": text}
+        time.sleep(0.3)
+    cluster.run(["scancel", str(job)])
+    raise AssertionError(f"job {job} did not end within {timeout} s:\n{log.read_text() if log.exists() else ''}")
+
+
+@pytest.mark.slurm
+def test_slurm_signal_before_the_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, reference):
+    """sbatch --time=1 --signal=B:USR1@50: Slurm signals the batch script 10-40 s after the start (it checks
+    time limits about every 30 s; measured 27-29 s); the trap passes SIGUSR1 on through srun to both ranks
+    (one per node), they checkpoint, the script requeues the job, and the second run resumes and finishes
+    with the weights of the uninterrupted run.  0.8 s per step (40 s) makes the first run outlast the signal."""
+    run_dir = slurm_cluster.workdir / "lesson12-time-limit"
+    job = submit(slurm_cluster, "--time=1", "--signal=B:USR1@50",
+                 args=[*TRAIN, "--step-sleep", "0.8", "--run-dir", run_dir])
+    info = follow_requeue(slurm_cluster, job)
+    log = info["log"]
+    print("\n".join(line for line in log.splitlines()
+                    if re.search(r"==== |SIGUSR1|requeueing|^run \d|resuming|stopped after|steps, ", line)))
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    assert info["Restarts"] == "1", log
+    assert "run 1 of job" in log and "run 2 of job" in log and f"requeueing job {job}" in log, log
+    assert "SIGUSR1: the time limit is near" in log
+    m = metrics(run_dir)
+    (stop,) = m["stops"]
+    assert stop["signals"] == {"0": "SIGUSR1", "1": "SIGUSR1"}  # srun passed it on to both ranks
+    assert m["resumed_at"] == [stop["step"]] and stop["step"] < STEPS
+    assert_bitwise_equal(run_dir, reference)
+
+
+@pytest.mark.slurm
+def test_slurm_torchrun_passes_sigusr1_on_and_the_job_resumes(slurm_cluster, reference):
+    """LAUNCHER=torchrun: one torchrun agent per node.  SIGUSR1 to the batch script (as --signal=B:USR1 sends
+    it; here by scancel, at once) reaches the workers only because the launcher gives torchrun
+    --signals-to-handle=...,SIGUSR1; they checkpoint, the job is requeued and the second run resumes."""
+    run_dir = slurm_cluster.workdir / "lesson12-torchrun"
+    job = submit(slurm_cluster, "--time=10", args=[*TRAIN, "--step-sleep", "0.2", "--run-dir", run_dir],
+                 env=",LAUNCHER=torchrun")
+    signalled = []
+
+    def signal_after_step_5(log):
+        if not signalled and re.search(r"^\[rank 0\] step 5 ", log, re.M):
+            sent = slurm_cluster.run(["scancel", "--batch", "--signal=USR1", str(job)])
+            assert sent.returncode == 0, sent.stderr
+            signalled.append(time.monotonic())
+
+    info = follow_requeue(slurm_cluster, job, while_running=signal_after_step_5)
+    log = info["log"]
+    assert signalled and info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
+    assert "--signals-to-handle=...,SIGUSR1" in log and f"requeueing job {job}" in log
+    m = metrics(run_dir)
+    (stop,) = m["stops"]
+    assert stop["signals"] == {"0": "SIGUSR1", "1": "SIGUSR1"} and 5 <= stop["step"] < STEPS, log
+    assert m["resumed_at"] == [stop["step"]] and m["launcher"] == "torchrun"
+    assert_bitwise_equal(run_dir, reference)
+
+
+@pytest.mark.slurm
+def test_slurm_a_killed_rank_ends_the_job_and_names_it(slurm_cluster, dataset):
+    """srun --kill-on-bad-exit=1: SIGKILL to rank 1 (on node2) mid-training ends the job, non-zero, within
+    60 s, srun names the task (= the global rank), no rank is left running, and nothing is requeued."""
+    run_dir = slurm_cluster.workdir / "lesson12-kill"
+    job = submit(slurm_cluster, "--time=10", args=[*TRAIN, "--step-sleep", "0.3", "--run-dir", run_dir])
+    pids, killed = {}, []
+
+    def kill_rank1_after_step_3(log):
+        if not killed and re.search(r"^\[rank 0\] step 3 ", log, re.M):
+            for rank, pid in re.findall(r"^\[rank (\d)\] pid (\d+) on ", log, re.M):
+                pids[int(rank)] = (int(pid), start_time(int(pid)))  # one PID namespace for all the nodes here
+            os.kill(pids[1][0], signal.SIGKILL)
+            killed.append(time.monotonic())
+
+    info = follow_requeue(slurm_cluster, job, while_running=kill_rank1_after_step_3)
+    seconds = time.monotonic() - killed[0]
+    print(f"srun: job ended {seconds:.1f} s after SIGKILL to rank 1 (measured with 0.3 s polling)")
+    assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0" and info["Restarts"] == "0", info["log"]
+    assert seconds <= 60
+    assert re.search(r"srun: error: node2: task 1: Killed", info["log"]), info["log"]
+    assert "requeueing" not in info["log"] and not (run_dir / "metrics.json").exists()
+    assert not [pid for pid, started in pids.values() if is_alive(pid, started)]
+
+
+def test_torchrun_does_not_pass_sigusr1_on_by_default(dataset, tmp_path):
+    """Why the launcher gives torchrun --signals-to-handle=...,SIGUSR1 (the Slurm test shows it working):
+    without it, SIGUSR1 kills the agent, and its workers, in sessions of their own, never hear of it."""
+    job = Running(lesson12("--step-sleep", "0.2", run_dir=tmp_path, launcher="torchrun"))
+    try:
+        pids = rank_pids(job)
+        job.wait_for(r"^\[rank 0\] step 2 ")
+        job.record_tree()
+        os.kill(job.proc.pid, signal.SIGUSR1)
+        assert job.finish(timeout=60) == -signal.SIGUSR1  # the agent died of it
+        workers = {r: (pid, job.tree[pid]) for r, pid in pids.items()}
+        assert all(is_alive(pid, started) for pid, started in workers.values()), job.output  # orphans, training
+        assert "stopped after" not in job.output
+    finally:
+        job.kill()

@@ -1,0 +1,494 @@
+"""What goes wrong, and how the course behaves when it does.
+
+- A rank killed with SIGKILL in the middle of training ends the whole job, under the lesson's own launcher
+  and under torchrun: a non-zero exit within KILL_BOUND seconds (measured here: see test), a message that
+  names the killed rank, and no process of the job left running.
+- Every init_process_group has a timeout; a rank that cannot reach rank 0 fails within it, in one line.
+- Bad input: one line that says what is wrong and how to fix it, a non-zero exit, nothing half-written.
+- Two preparations of the data at once, and two runs writing the same default run dir at once, do not
+  corrupt each other.
+- Security: weights_only=True on every torch.load; TensorBoard and Jupyter bound to 127.0.0.1; no fixed port.
+"""
+import ast
+import contextlib
+import io
+import json
+import os
+import re
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, run
+from test_fault_tolerance import Running, descendants, start_time
+
+KILL_BOUND = 60  # seconds from SIGKILL to the job's exit; the ranks' --timeout is far above it (120 s)
+SMALL = ["--train-samples", "640", "--batch-size", "32"]  # 10 steps per epoch at 2 ranks
+SRUN_RANK = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_LOCALID": "0",
+             "SLURM_JOB_ID": "4242"}  # what srun gives a task: enough for course/launch.py to take the srun path
+
+
+def one_line(proc, code, *phrases):
+    """The process exited with `code` and said, in one line on stderr, everything in `phrases`."""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == code, f"exit {proc.returncode}\n{proc.stderr}"
+    assert len(lines) == 1, f"expected one line:\n{proc.stderr}"
+    for phrase in phrases:
+        assert phrase in lines[0], f"{phrase!r} not in: {lines[0]}"
+    return lines[0]
+
+
+@pytest.fixture
+def lesson_main(monkeypatch):
+    """Run a lesson's `if __name__ == "__main__"` block in this process, as `python script args...` would,
+    for errors found before any rank starts: the same parser, checks and messages, without the seconds of a
+    fresh interpreter importing torch.  Starting ranks would be a test failure."""
+    import course.launch
+
+    def never(*_, **__):
+        raise AssertionError("the lesson started its ranks: the bad input was not caught")
+
+    monkeypatch.setattr(course.launch, "_run", never)  # one rank in this process (torchrun, srun, --nproc 1)
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", never)  # ranks spawned by --nproc N
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+    def main(script, *args, env=None):
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setattr(sys, "argv", [str(REPO / script), *map(str, args)])
+        previous, err = signal.getsignal(signal.SIGUSR1), io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                runpy.run_path(str(REPO / script), run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        return SimpleNamespace(returncode=code, stderr=err.getvalue())
+    return main
+
+
+def files_under(path: Path) -> list:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()) if path.exists() else []
+
+
+# ------------------------------------------------------------------------------------------ SIGKILL
+
+def socket_count(pid: int) -> int:
+    try:
+        return sum(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+def self_launched_ranks(job: Running, world: int = 2) -> dict:
+    """rank -> pid of `python lesson.py --nproc N`: its children started for the ranks, in rank order."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        spawned = [pid for pid in descendants(job.proc.pid) if b"spawn_main" in cmdline(pid)]
+        if len(spawned) == world:
+            return dict(enumerate(sorted(spawned, key=lambda pid: (start_time(pid), pid))))
+        time.sleep(0.1)
+    raise AssertionError(f"no {world} ranks under {job.proc.pid}:\n{job.output}")
+
+
+def torchrun_ranks(job: Running, world: int = 2) -> dict:
+    """rank -> pid of the workers of a torchrun agent, from the RANK each one has in its environment."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ranks = {}
+        for pid in descendants(job.proc.pid):
+            env = environ(pid)
+            if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
+                ranks[int(env["RANK"])] = pid
+        if len(ranks) == world:
+            return ranks
+        time.sleep(0.1)
+    raise AssertionError(f"no {world} torchrun workers under {job.proc.pid}:\n{job.output}")
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def environ(pid: int) -> dict:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+
+
+# lesson, launcher, extra arguments, what shows that training has started (a line, or: its sockets are up)
+KILL_CASES = [
+    ("day1/3_mnist_distributed.py", "self", ["--epochs", "1000"], None),
+    ("day1/4_mnist_manual_ddp.py", "self", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
+    ("day1/6_mnist_ddp_pt.py", "self", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
+    ("day2/12_ddp_fault_tolerance.py", "self", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
+    ("day2/12_ddp_fault_tolerance.py", "torchrun", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, launcher, extra, started", KILL_CASES,
+                         ids=[f"{Path(c[0]).stem.split('_')[0]}-{c[1]}" for c in KILL_CASES])
+def test_a_rank_killed_mid_training_ends_the_whole_job(dataset, tmp_path, script, launcher, extra, started):
+    args = [*SMALL, *extra, "--run-dir", tmp_path]
+    if launcher == "self":
+        job = Running([PYTHON, REPO / script, "--nproc", "2", *args])
+    else:
+        job = Running([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                       REPO / script, *args])
+    victim = 1
+    try:
+        ranks = self_launched_ranks(job) if launcher == "self" else torchrun_ranks(job)
+        if started:
+            job.wait_for(started)
+        else:  # lesson 3 prints nothing until the end: its process group is up once it holds its sockets
+            deadline = time.monotonic() + 120
+            while socket_count(ranks[victim]) < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(1.0)  # then it loads the data and trains, alone
+        job.record_tree()
+        assert job.proc.poll() is None, f"the job ended before the kill:\n{job.output}"
+        os.kill(ranks[victim], signal.SIGKILL)
+        killed = time.monotonic()
+        code = job.finish(timeout=KILL_BOUND + 60)
+        seconds = time.monotonic() - killed
+    finally:
+        job.kill()
+    print(f"{script} ({launcher}): exit {code} {seconds:.1f} s after SIGKILL")
+    assert code != 0, job.output
+    assert seconds <= KILL_BOUND, f"{seconds:.1f} s\n{job.output}"
+    if launcher == "self":
+        assert f"error: rank {victim} was killed by SIGKILL; the other ranks were stopped" in job.output, job.output
+    else:  # torchrun's summary names the failed rank, its exit code -9 and its pid
+        assert re.search(rf"rank\s*:\s*{victim} \(local_rank: {victim}\)\s*\n\s*exitcode\s*:\s*-9 \(pid: "
+                         rf"{ranks[victim]}\)", job.output), job.output
+    assert not job.left_behind(), f"left running: {job.left_behind()}\n{job.output}"
+    assert not (tmp_path / "metrics.json").exists()
+
+
+# ------------------------------------------------------------------------------------------ init timeouts
+
+def test_every_process_group_init_has_a_timeout():
+    calls = []
+    for path in [*REPO.glob("day*/*.py"), *REPO.glob("course/*.py"), *REPO.glob("benchmarks/*.py"),
+                 *REPO.glob("data_tools/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == \
+                    "init_process_group":
+                calls.append((path.relative_to(REPO), node.lineno, {k.arg for k in node.keywords}))
+    assert len(calls) >= 12, calls  # lessons 0-12 but 2, and the benchmarks
+    assert [c for c in calls if "timeout" not in c[2]] == []
+
+
+@pytest.mark.parametrize("addr", ["192.0.2.1", "no-such-host.invalid"])  # TEST-NET-1 is never routed
+def test_a_rank_that_cannot_reach_rank0_gives_up_within_the_timeout(monkeypatch, addr):
+    from course.cli import CourseError
+    from course.launch import _wait_for_rank0
+
+    with socket.socket() as s:  # a port nobody listens on (for the address that does answer)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", addr)
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    start = time.monotonic()
+    with pytest.raises(CourseError, match=rf"rank 1 could not reach rank 0 at MASTER_ADDR={re.escape(addr)} "
+                                          rf"MASTER_PORT={port} within --timeout 3 s"):
+        _wait_for_rank0(1, 3)
+    assert time.monotonic() - start <= 3.5  # init_process_group alone took up to 2x its timeout here
+
+
+@pytest.mark.slow
+def test_unreachable_master_addr_is_one_line_and_no_hang(dataset, tmp_path):
+    """Rank 1 of an srun job whose MASTER_ADDR points nowhere; and rank 0 told to listen on another host."""
+    env = {**SRUN_RANK, "SLURM_PROCID": "1", "SLURM_NODEID": "1", "MASTER_ADDR": "192.0.2.1",
+           "MASTER_PORT": "29731"}
+    start = time.monotonic()
+    proc = run([PYTHON, REPO / "day2/12_ddp_fault_tolerance.py", "--timeout", "3", "--run-dir", tmp_path],
+               env=env, check=False, timeout=120)
+    print(f"rank 1, unreachable MASTER_ADDR, --timeout 3: exit after {time.monotonic() - start:.1f} s "
+          f"(including Python and torch start-up)")
+    one_line(proc, 1, "[rank 1] error: rank 1 could not reach rank 0 at MASTER_ADDR=192.0.2.1",
+             "within --timeout 3 s")
+    proc = run([PYTHON, REPO / "day1/6_mnist_ddp_pt.py", "--run-dir", tmp_path],
+               env={**env, "SLURM_PROCID": "0", "SLURM_NODEID": "0"}, check=False, timeout=120)
+    one_line(proc, 1, "rank 0 runs on", "MASTER_ADDR=192.0.2.1 is not an address of this host")
+    assert files_under(tmp_path) == []
+
+
+def test_a_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**SRUN_RANK, "SLURM_PROCID": "0", "SLURM_NODEID": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        proc = run([PYTHON, REPO / "day1/0_torch_dist.py"], env=env, check=False, timeout=120)
+    one_line(proc, 1, f"port {port} on 127.0.0.1 is already in use", "MASTER_PORT=<free port>")
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+LESSON12 = REPO / "day2/12_ddp_fault_tolerance.py"
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["--nproc", "0"], "argument --nproc: 0 must be at least 1"),
+    (["--nproc", "-3"], "argument --nproc: -3 must be at least 1"),
+    (["--nproc", "two"], "argument --nproc: 'two' is not a whole number"),
+    (["--epochs", "0"], "argument --epochs: 0 must be at least 1"),
+    (["--batch-size", "-8"], "argument --batch-size: -8 must be at least 1"),
+    (["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
+    (["--model", "resnet"], "argument --model: invalid choice: 'resnet'"),
+    (["--checkpoint-every", "0"], "argument --checkpoint-every: 0 must be at least 1"),
+])
+def test_bad_arguments_are_one_line(lesson_main, tmp_path, args, phrase):
+    one_line(lesson_main("day2/12_ddp_fault_tolerance.py", *args, "--run-dir", tmp_path / "run"), 2, phrase,
+             "(see --help)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_arguments_from_the_command_line(tmp_path):
+    """The same, end to end, for one of them: a fresh interpreter, the exit code the shell sees."""
+    proc = run([PYTHON, LESSON12, "--nproc", "0", "--run-dir", tmp_path / "run"], check=False)
+    one_line(proc, 2, "python day2/12_ddp_fault_tolerance.py: error: argument --nproc: 0 must be at least 1")
+    assert not (tmp_path / "run").exists()
+
+
+def test_more_nccl_ranks_than_gpus_is_one_line(dataset, tmp_path):
+    gpus = torch.cuda.device_count()
+    proc = run([PYTHON, LESSON12, "--backend", "nccl", "--nproc", str(gpus + 1), "--run-dir", tmp_path],
+               check=False)
+    one_line(proc, 1, f"--backend nccl with {gpus + 1} ranks needs {gpus + 1} GPUs", "--backend gloo")
+    assert files_under(tmp_path) == []
+
+
+@pytest.mark.parametrize("script", ["day1/4_mnist_manual_ddp.py", "day1/6_mnist_ddp_pt.py",
+                                    "day1/7_mnist_ddp_pt_timing.py", "day1/8_mnist_ddp_pt_lr.py"])
+def test_more_nccl_ranks_than_gpus_in_the_other_lessons(lesson_main, dataset, tmp_path, script):
+    gpus = torch.cuda.device_count()
+    proc = lesson_main(script, "--backend", "nccl", "--nproc", gpus + 1, "--run-dir", tmp_path)
+    one_line(proc, 1, f"needs {gpus + 1} GPUs", "--backend gloo")
+
+
+def test_a_run_dir_or_log_dir_that_cannot_be_written_is_one_line(lesson_main, tmp_path):
+    blocker = tmp_path / "a-file"  # a path through a file: unwritable even for root, unlike a chmod
+    blocker.write_text("not a directory")
+    proc = run([PYTHON, LESSON12, "--run-dir", blocker / "run"], check=False)
+    one_line(proc, 2, f"run dir {blocker / 'run'} cannot be written", "--run-dir")
+    proc = lesson_main("day2/12_ddp_fault_tolerance.py", "--run-dir", tmp_path / "run",
+                       "--checkpoint-dir", blocker / "ckpt")
+    one_line(proc, 1, f"checkpoint dir {blocker / 'ckpt'} cannot be written", "--checkpoint-dir")
+    proc = lesson_main("day1/5_mnist_manual_ddp_profile.py", "--log-dir", blocker / "log",
+                       "--run-dir", tmp_path / "run5")
+    one_line(proc, 1, f"log dir {blocker / 'log'} cannot be written", "--log-dir")
+    assert files_under(tmp_path) == ["a-file"]
+
+
+def make_data_dir(root: Path, damage=None) -> Path:
+    """A prepared data dir made of links to the real files, with one file replaced by a damaged copy."""
+    raw = root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    real = REPO / "data" / "FashionMNIST"
+    for f in (real / "raw").iterdir():
+        (raw / f.name).symlink_to(f)
+    (root / "FashionMNIST" / "READY").write_text((real / "READY").read_text())
+    if damage:
+        name, data = damage((real / "raw" / "t10k-labels-idx1-ubyte").read_bytes())
+        (raw / name).unlink()
+        (raw / name).write_bytes(data)
+    return root
+
+
+@pytest.mark.parametrize("case, phrases", [
+    ("missing", ["fashion-mnist is not prepared in", "run: python data_tools/prepare_data.py"]),
+    ("empty", ["fashion-mnist is not prepared in", "run: python data_tools/prepare_data.py"]),
+    ("truncated", ["is damaged", "t10k-labels-idx1-ubyte: truncated", "--force"]),
+    ("wrong magic", ["is damaged", "magic number 0x00000803, expected 0x00000801", "--force"]),
+    ("no READY", ["fashion-mnist is not prepared in", "run: python data_tools/prepare_data.py"]),
+])
+def test_a_missing_empty_or_corrupt_data_dir_is_one_line(lesson_main, dataset, tmp_path, case, phrases):
+    data = tmp_path / "data"
+    if case == "empty":
+        data.mkdir()
+    elif case == "truncated":
+        make_data_dir(data, lambda b: ("t10k-labels-idx1-ubyte", b[:5000]))
+    elif case == "wrong magic":
+        make_data_dir(data, lambda b: ("t10k-labels-idx1-ubyte", b"\x00\x00\x08\x03" + b[4:]))
+    elif case == "no READY":
+        make_data_dir(data)
+        (data / "FashionMNIST" / "READY").unlink()
+    for script in ("day2/12_ddp_fault_tolerance.py", "day1/6_mnist_ddp_pt.py"):
+        one_line(lesson_main(script, "--data-dir", data, "--run-dir", tmp_path / "run"), 1, *phrases)
+    assert not (tmp_path / "run").exists()  # nothing written, not even an empty run dir
+
+
+def test_a_truncated_data_file_from_the_command_line(dataset, tmp_path):
+    data = make_data_dir(tmp_path / "data", lambda b: ("t10k-labels-idx1-ubyte", b[:5000]))
+    proc = run([PYTHON, LESSON12, "--data-dir", data, "--run-dir", tmp_path / "run"], check=False)
+    one_line(proc, 1, "is damaged", "t10k-labels-idx1-ubyte: truncated: 5000 bytes, expected 10008",
+             "rebuild it with: python data_tools/prepare_data.py --dataset fashion-mnist --data-dir", "--force")
+    assert not (tmp_path / "run").exists()
+
+
+def _h5_file(path, width=28):
+    import h5py
+    import numpy as np
+
+    with h5py.File(path, "w") as f:
+        f.attrs.update(format="course-mnist-h5", version=1, dataset="fashion-mnist", chunk_samples=100)
+        for split, n in (("train", 60000), ("test", 10000)):
+            f.create_dataset(f"{split}/images", shape=(n, 28, width), dtype=np.uint8, chunks=(100, 28, width))
+            f.create_dataset(f"{split}/labels", shape=(n,), dtype=np.uint8, chunks=(100,))
+
+
+def _h5_wrong_shape(path):
+    _h5_file(path, width=27)
+
+
+def _h5_missing_group(path):
+    import h5py
+
+    _h5_file(path)
+    with h5py.File(path, "a") as f:
+        del f["test"]
+
+
+@pytest.mark.parametrize("make, phrase", [(_h5_wrong_shape, "train/images is uint8 (60000, 28, 27), expected"),
+                                          (_h5_missing_group, "no dataset test/")])
+def test_an_hdf5_file_with_wrong_shapes_or_missing_groups_is_one_line(lesson_main, dataset, tmp_path, make,
+                                                                      phrase):
+    bad = tmp_path / "bad.h5"
+    make(bad)
+    env = {**SRUN_RANK, "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0", "SLURM_NODEID": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}  # lesson 11 as the one task of an srun step
+    proc = lesson_main("day2/11_mnist_ddp_pt_multinode_streaming.py", "--h5-file", bad,
+                       "--run-dir", tmp_path / "run", env=env)
+    one_line(proc, 1, phrase, "create_mnist_h5.py", "--force")
+    assert files_under(tmp_path / "run") == []
+
+
+def test_a_multinode_lesson_outside_any_allocation_says_how_to_start_it(tmp_path):
+    env = {k: "" for k in os.environ if k.startswith("SLURM_")}
+    proc = run(["env", *[f"-u{k}" for k in env], PYTHON, REPO / "day2/10_mnist_ddp_pt_multinode.py",
+                "--run-dir", tmp_path / "run"], check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "does not start its own processes" in proc.stderr.splitlines()[0] and "salloc" in proc.stderr
+    for script in ("day2/multinode_setup_and_run.sh", "slurm/12_ddp_fault_tolerance.sh"):
+        proc = run(["env", *[f"-u{k}" for k in env], "bash", REPO / script, "10_mnist_ddp_pt_multinode.py"],
+                   check=False)
+        assert proc.returncode == 1, proc.stderr
+        assert re.match(r"error: not inside a Slurm (allocation|job)", proc.stderr), proc.stderr
+    assert files_under(tmp_path) == []
+
+
+def test_a_site_profile_without_a_required_value_is_one_line(tmp_path):
+    profile = tmp_path / "mysite.env"
+    profile.write_text("SITE_DESCRIPTION='needs an account'\nSITE_ACCOUNT=''\nSITE_ACCOUNT_REQUIRED=yes\n"
+                       "SITE_GPU_FLAG=none\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SITE_")}
+    proc = subprocess.run(["bash", REPO / "slurm/submit.sh", "12_ddp_fault_tolerance", "--site", profile,
+                           "--dry-run"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    one_line(proc, 1, "site mysite needs an account", "SITE_ACCOUNT")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mysite.env"]  # no logs/, nothing submitted
+
+
+# ------------------------------------------------------------------------------------------ concurrency
+
+@pytest.mark.slow
+def test_two_preparations_at_once_do_not_corrupt_the_data_dir(tmp_path):
+    data = tmp_path / "data"
+    cmd = [PYTHON, REPO / "data_tools/prepare_data.py", "--dataset", "fashion-mnist", "--data-dir", data,
+           "--source", REPO / "data" / "FashionMNIST" / "raw"]
+    procs = [subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sorted(p.name for p in data.iterdir()) == [".FashionMNIST.lock", "FashionMNIST"]  # no temp dirs
+    from data_tools.datasets import load_split, read_split
+
+    for split in ("train", "test"):
+        mine, real = load_split("fashion-mnist", split, data), read_split(REPO / "data/FashionMNIST/raw", split)
+        assert torch.equal(mine[0], torch.from_numpy(real[0].copy()))
+
+
+@pytest.mark.slow
+def test_two_runs_writing_the_same_default_run_dir_at_once_leave_complete_files(dataset, tmp_path):
+    """Both runs of lesson 2 use the default run dir (runs/2_mnist_training under their working directory);
+    every file is written to a temporary name and renamed, so each file is one run's, whole."""
+    cmd = [PYTHON, REPO / "day1/2_mnist_training.py", *SMALL, "--max-steps", "15"]
+    jobs = [Running(cmd, cwd=tmp_path), Running([*cmd[:-2], "--max-steps", "12"], cwd=tmp_path)]
+    codes = [job.finish(timeout=400) for job in jobs]
+    assert codes == [0, 0], [job.output for job in jobs]
+    run_dir = tmp_path / "runs" / "2_mnist_training"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["loss.png", "metrics.json", "model.pt"]  # no temp files
+    m = json.loads((run_dir / "metrics.json").read_text())
+    assert m["steps"] in (12, 15) and len(m["loss_per_step"]) == m["steps"]
+    state = torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True)
+    assert len(state) == 4 and all(torch.isfinite(t).all() for t in state.values())  # the MLP's 2 layers
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------------------------------ security
+
+SOURCES = [p for p in REPO.rglob("*") if p.suffix in (".py", ".sh", ".md", ".ipynb", ".env")
+           and ".venv" not in p.parts and "runs" not in p.parts and p.name != "test_faults.py"]
+
+
+def test_every_torch_load_is_weights_only():
+    loads = []
+    for path in SOURCES:
+        text = path.read_text(errors="replace")
+        if path.suffix == ".ipynb":
+            text = "\n".join("".join(c["source"]) for c in json.loads(text)["cells"] if c["cell_type"] == "code")
+        for match in re.finditer(r"torch\.load\(", text):
+            depth, end = 0, match.end() - 1
+            for end in range(match.end() - 1, len(text)):
+                depth += {"(": 1, ")": -1}.get(text[end], 0)
+                if depth == 0:
+                    break
+            loads.append((path.relative_to(REPO), text[match.start():end + 1]))
+    assert loads, "no torch.load found: the scan is broken"
+    assert [load for load in loads if "weights_only=True" not in load[1]] == []
+
+
+def test_tensorboard_and_jupyter_listen_on_localhost_only():
+    """Every command line that starts TensorBoard or Jupyter (in code, scripts and docs) binds 127.0.0.1 (the
+    docs then say how to reach it through an SSH tunnel); none opens it to the network."""
+    commands = []
+    for path in SOURCES:
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if re.search(r"\btensorboard\s+--|\bjupyter[ -](lab|notebook)\b(?![\w.])", line) and \
+                    not re.search(r"install|pip |import ", line):
+                commands.append((f"{path.relative_to(REPO)}:{n}", line))
+    assert commands, "no TensorBoard or Jupyter command found: the scan is broken"
+    open_to_all = [where for where, line in commands
+                   if re.search(r"--bind_all|--host[= ]0\.0\.0\.0|--ip[= ]['\"]?(0\.0\.0\.0|\*)", line)]
+    assert open_to_all == []
+    unbound = [where for where, line in commands
+               if not re.search(r"(--host[= ]|--ip[= ]|ServerApp\.ip=)['\"]?(127\.0\.0\.1|localhost)", line)]
+    assert unbound == [], "start TensorBoard with --host 127.0.0.1 and Jupyter with --ip=127.0.0.1"
+
+
+def test_no_fixed_master_port_in_lessons_and_launchers():
+    code = [p for p in SOURCES if p.suffix in (".py", ".sh") and p.parts[len(REPO.parts)] != "tests"]
+    fixed = []
+    for path in code:
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if re.search(r"MASTER_PORT\s*[:=]\s*['\"]?\d{4,5}\b|--master[_-]port[= ]\d|\b29500\b", line):
+                fixed.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert fixed == []
