@@ -1,0 +1,139 @@
+# %% [markdown]
+# # Lesson 12: surviving time limits, preemption and crashed ranks
+#
+# Script: [`day2/12_ddp_fault_tolerance.py`](../day2/12_ddp_fault_tolerance.py).
+#
+# Jobs end before training does: a time limit, preemption by a more important job, a crashed rank or node.
+# Four things make a run that can stop after any step and go on later as if nothing had happened:
+#
+# 1. **A checkpoint** every `--checkpoint-every` steps and at the end: the model, the optimizer (its
+#    momentum is part of the training state), the position (epoch and batch within it), and every rank's
+#    random-number state. Global rank 0 writes it to a temporary file, flushes it to the disk and renames it:
+#    a crash while writing leaves the previous checkpoint, never half a new one.
+# 2. **A clean stop on request.** `SIGTERM` (scancel, the end of the time limit) and `SIGUSR1` (what
+#    `sbatch --signal=B:USR1@120` sends 120 s before the limit) only set a flag: the signal handler may run in
+#    the middle of a collective, where no checkpoint can be written. After every step the flag is combined
+#    across ranks with an all_reduce, so **all ranks stop after the same step**, even when the signal reached
+#    only one of them. Then a checkpoint, and exit 0.
+# 3. **Requeue and resume**: the Slurm launcher (`slurm/12_ddp_fault_tolerance.sh`) passes the signal on,
+#    waits for the checkpoint and runs `scontrol requeue`; the same command, started again, finds the newest
+#    checkpoint and resumes.
+# 4. **Restarts**: under `torchrun --max-restarts=N` a crashed rank makes the agent restart all ranks, which
+#    resume from the newest checkpoint.
+#
+# Resumed, the run *is* the run that was never interrupted, bit for bit on the CPU: same data order, same
+# weights, same losses. This notebook proves it: it stops a run with a signal, resumes it, and compares it
+# with a run that was never stopped.
+#
+# ## On a cluster
+#
+# ```bash
+# slurm/submit.sh 12_ddp_fault_tolerance --site <your site> -- --epochs 20   # requeued at the time limit
+# ```
+
+# %%
+from nbhelpers import *
+
+# The one switch. False: --quick, 2 pretend nodes x 1 CPU rank on this machine.
+# True: full epochs, 2 pretend nodes x (GPUs / 2) ranks (bit-for-bit equality is then not guaranteed: GPU
+# kernels are not all deterministic).
+FULL_SIZE = False
+SIZE = [] if FULL_SIZE else ["--quick"]
+PER_NODE = max(1, gpu_count() // 2) if FULL_SIZE else 1
+# a GPU per rank (each pretend node gets GPUs of its own), or every rank on the CPU
+DEVICE = [] if gpu_count() >= 2 * PER_NODE else ["--device", "cpu"]
+RUN = run_dir("12_ddp_fault_tolerance")
+
+# %% [markdown]
+# ## What changed against lesson 10
+#
+# The training loop is lesson 10's; around it: the checkpoint functions, the signal flag and its all_reduce,
+# the resume at the right batch of the right epoch, and a lock so that two runs never share a checkpoint
+# directory.
+
+# %%
+show_diff("day2/10_mnist_ddp_pt_multinode.py", "day2/12_ddp_fault_tolerance.py")
+
+# %% [markdown]
+# ## Run 1: stopped by a signal
+#
+# Each rank prints its process id. When rank 0 reports step 40, the notebook sends `SIGUSR1` to **rank 1
+# only**, as a scheduler might reach one node before the other. Both ranks stop after the same step,
+# rank 0 writes a checkpoint, and the run exits with 0. (`--step-sleep` slows the steps down a little so that
+# the signal lands mid-run; `--checkpoint-every 25` also checkpoints along the way.)
+
+# %%
+import os
+import re
+import signal
+
+pids, sent = {}, []
+
+
+def stop_rank_1(line):
+    if m := re.match(r"\[rank (\d+)\] pid (\d+)", line):
+        pids[int(m.group(1))] = int(m.group(2))
+    if not sent and re.match(r"\[rank 0\] step 40 ", line):
+        os.kill(pids[1], signal.SIGUSR1)
+        sent.append(40)
+
+
+ARGS = [*SIZE, *DEVICE, "--checkpoint-every", 25, "--log-every", 10, "--step-sleep", 0.02]
+run_lesson("day2/12_ddp_fault_tolerance.py", *ARGS, "--run-dir", RUN, nproc=PER_NODE, nnodes=2,
+           on_output=stop_rank_1)
+print(f"\nSIGUSR1 sent to rank 1 (pid {pids[1]}) when rank 0 reported step {sent[0]}")
+print("checkpoints now:", sorted(p.name for p in (REPO / RUN / "checkpoints").glob("step-*.pt")))
+
+# %% [markdown]
+# ## Run 2: the same command again
+#
+# It finds the newest checkpoint, resumes at the batch after the stop, and trains to the end.
+
+# %%
+run_lesson("day2/12_ddp_fault_tolerance.py", *ARGS, "--run-dir", RUN, nproc=PER_NODE, nnodes=2)
+
+# %% [markdown]
+# ## Run 3: never interrupted, for comparison
+#
+# The same world size on one pretend node (`torchrun --standalone`): lesson 10 showed that the placement of
+# the ranks does not change the training.
+
+# %%
+REFERENCE = run_dir("12_ddp_fault_tolerance/uninterrupted")
+run_lesson("day2/12_ddp_fault_tolerance.py", *ARGS, "--run-dir", REFERENCE, nproc=2 * PER_NODE)
+
+# %% [markdown]
+# ## Stopped and resumed = never stopped
+#
+# The loss of every step of the stopped-and-resumed run against the uninterrupted one, and the final
+# weights.
+
+# %%
+from course.output import load_weights
+
+resumed, reference = read_json(RUN / "metrics.json"), read_json(REFERENCE / "metrics.json")
+fig, ax = plt.subplots()
+ax.plot(reference["loss_per_step"], lw=4, alpha=0.4, label="never stopped")
+ax.plot(resumed["loss_per_step"], lw=1, label="stopped, then resumed")
+for stop in resumed["stops"]:
+    ax.axvline(stop["step"], color="crimson", ls="--")
+    ax.text(stop["step"], ax.get_ylim()[1], f" stop: {', '.join(stop['signals'].values())} to rank "
+            f"{', '.join(map(str, stop['signals']))}\n resumed at step {stop['step']}", va="top", fontsize=8,
+            color="crimson")
+ax.set(xlabel="step", ylabel="training loss (mean over ranks)", title="one training run, in two jobs")
+ax.legend(loc="center right")
+plt.show()
+w1, w2 = load_weights(REPO / RUN / "model.pt"), load_weights(REPO / REFERENCE / "model.pt")
+same = all((w1[k] == w2[k]).all() for k in w1)
+print(f"stops: {resumed['stops']}; resumed at steps {resumed['resumed_at']}")
+print(f"losses identical: {resumed['loss_per_step'] == reference['loss_per_step']}; weights identical: {same}")
+if not FULL_SIZE:
+    assert same and resumed["loss_per_step"] == reference["loss_per_step"] and resumed["resumed_at"]
+
+# %% [markdown]
+# ## Try it yourself
+#
+# - In a terminal: `python day2/12_ddp_fault_tolerance.py --nproc 2 --quick --step-sleep 0.05`, then
+#   `kill -USR1 <a pid it printed>` from another terminal, then the same command again.
+# - `torchrun --standalone --nproc_per_node=2 --max-restarts=3 day2/12_ddp_fault_tolerance.py` and
+#   `kill -9` one rank: the agent restarts both, and they resume from the newest checkpoint.

@@ -1,0 +1,121 @@
+# %% [markdown]
+# # Lesson 7: timing DDP at several world sizes: what scales and what does not
+#
+# Script: [`day1/7_mnist_ddp_pt_timing.py`](../day1/7_mnist_ddp_pt_timing.py).
+#
+# "I used 4 GPUs and it got slower" is one of the most common questions about data parallelism. A
+# data-parallel step is
+#
+# - **compute**: forward and backward on *b* samples per rank, taking *c_W* ms with W ranks, and
+# - **communication**: the all_reduce of the gradients plus waiting for the slowest rank, *m_W* ms.
+#
+# W ranks process W*b samples per step in c_W + m_W ms; one process processes b samples in c_1 ms. So
+#
+# $$\text{speed-up} = \frac{W \, c_1}{c_W + m_W}$$
+#
+# On a GPU node every rank brings its own GPU, c_W stays c_1, and only communication stands between you and
+# a speed-up of W. On one CPU the ranks share the same cores, so more ranks add no compute at all. And a
+# small model (the MLP: a 0.4 MB all_reduce after a step of well under a millisecond) has too little work
+# per step to hide its communication. Before training, the script times a few steps inside DDP's
+# `no_sync()` (compute alone) and a few without it (compute + all_reduce): the difference is m_W.
+#
+# `--sweep` runs world sizes 1, 2, ..., N one after another; every run adds a row to `timings.csv`, and
+# rank 0 rewrites the table (`scaling.md`, `scaling.csv`) and the plot (`scaling.png`).
+
+# %%
+from nbhelpers import *
+
+# The one switch. False: --quick sweeps of 1 and 2 CPU ranks. True: full epochs, 1 .. all GPUs of this node.
+FULL_SIZE = False
+SIZE = [] if FULL_SIZE else ["--quick", "--probe-steps", 10]
+NPROC = full_size_nproc() if FULL_SIZE else 2
+# one GPU per rank, or every rank on the CPU (NCCL cannot put two ranks on one GPU)
+DEVICE = [] if gpu_count() >= NPROC else ["--device", "cpu"]
+RUN = run_dir("7_mnist_ddp_pt_timing")
+
+# %% [markdown]
+# ## What changed against lesson 6
+#
+# Lesson 6's training, with clocks around it (and `torch.cuda.synchronize()` before reading them on a GPU,
+# where work is asynchronous), the compute/communication probe, and the table kept across runs.
+
+# %%
+show_diff("day1/6_mnist_ddp_pt.py", "day1/7_mnist_ddp_pt_timing.py")
+
+# %% [markdown]
+# ## Run two sweeps
+#
+# The MLP at the default batch of 64 per rank, and the CNN at batch 512 per rank: much more compute per
+# step for about the same bytes to all_reduce. The script explains each world size's result with the
+# formula above.
+
+# %%
+run_lesson("day1/7_mnist_ddp_pt_timing.py", NPROC, "--sweep", "--fresh", *SIZE, *DEVICE, "--run-dir", RUN)
+run_lesson("day1/7_mnist_ddp_pt_timing.py", NPROC, "--sweep", *SIZE, *DEVICE, "--model", "cnn",
+           "--batch-size", 512, "--run-dir", RUN)
+
+# %% [markdown]
+# ## The timing table
+#
+# `scaling.csv`: the latest run of each world size, per model and batch size, with its speed-up over 1 rank.
+
+# %%
+table = read_csv(RUN / "scaling.csv")
+show_table(table, ["model", "batch_per_rank", "device", "world_size", "threads_per_rank", "samples_per_second",
+                   "speedup", "compute_ms", "comm_ms", "comm_share"])
+
+# %% [markdown]
+# ## Time per step: compute and communication
+#
+# Each bar is one measured step, split into compute and communication. Where the communication part is
+# as large as the compute saved by splitting the batch, more ranks cannot pay off.
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+configs = sorted({(r["model"], r["batch_per_rank"]) for r in table})
+for ax, (model, batch) in zip(axes, configs):
+    rows = sorted((r for r in table if (r["model"], r["batch_per_rank"]) == (model, batch)),
+                  key=lambda r: int(r["world_size"]))
+    names = [f"{r['world_size']} rank(s)\nx {r['threads_per_rank']} thr." for r in rows]
+    compute, comm = [float(r["compute_ms"]) for r in rows], [float(r["comm_ms"]) for r in rows]
+    ax.bar(names, compute, label="compute")
+    ax.bar(names, comm, bottom=compute, label="communication")
+    for i, r in enumerate(rows):
+        if r["speedup"]:
+            ax.text(i, compute[i] + comm[i], f"{float(r['speedup']):.2f}x", ha="center", va="bottom")
+    ax.set(title=f"{model}, batch {batch} per rank", ylabel="ms per step",
+           ylim=(0, 1.2 * max(c + m for c, m in zip(compute, comm))))
+    ax.legend(fontsize=8)
+fig.suptitle("one training step, measured (numbers: speed-up over 1 rank)")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## Throughput against world size
+
+# %%
+fig, ax = plt.subplots(figsize=(6, 3.4))
+for model, batch in configs:
+    rows = sorted((r for r in table if (r["model"], r["batch_per_rank"]) == (model, batch)),
+                  key=lambda r: int(r["world_size"]))
+    ax.plot([int(r["world_size"]) for r in rows], [float(r["samples_per_second"]) for r in rows], "o-",
+            label=f"{model}, batch {batch}")
+ax.set(xlabel="world size (ranks)", ylabel="training samples per second", xticks=range(1, NPROC + 1))
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# On this notebook's machine (see the `device` and `threads_per_rank` columns) the numbers say what the
+# script printed above. On a GPU node (`FULL_SIZE = True`) the compute part stays flat as ranks are added
+# and the CNN's speed-up approaches W. Timings depend on the machine and on whatever else runs on it:
+# rerun the sweep before drawing conclusions. A busy machine hurts the 1-rank run most: its 2 threads must
+# run at the same time to make progress, and they wait for each other whenever another program holds a
+# core, which can make "1 rank x 2 threads" several times slower than on an idle machine and the speed-up
+# of 2 ranks look far better than it is.
+#
+# ## Try it yourself
+#
+# - `--batch-size 1024` for the MLP: more work per all_reduce.
+# - Under torchrun or srun, each call adds one row: `torchrun --nproc_per_node=4 day1/7_mnist_ddp_pt_timing.py`.
+#
+# Next: [lesson 8](8_mnist_ddp_pt_lr.ipynb): a larger global batch needs a larger learning rate.

@@ -1,0 +1,242 @@
+"""The notebooks: one per lesson, built from their sources, in step with the scripts' options, and each one
+executes headless from the repository, failing when the lesson run inside it fails.
+
+What a notebook runs is read from its code, not guessed: every call of `run_lesson(...)` (or
+`subprocess.run/Popen/...`) names a script (`day1/...py`, `day2/...py`, `data_tools/...py`) and, after it,
+the `--options` it passes, including those held in variables the notebook assigns (`SIZE = ["--quick"]`).
+"""
+import ast
+import functools
+import re
+import sys
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+from conftest import PYTHON, REPO, run
+
+NOTEBOOKS = REPO / "notebooks"
+sys.path.insert(0, str(NOTEBOOKS))
+import build_notebooks  # noqa: E402
+
+SCRIPT = re.compile(r"^(day\d+|data_tools)/[\w.\-]+\.py$")
+RUNNERS = {"run_lesson", "run", "Popen", "check_call", "check_output", "call"}
+CELL_TIMEOUT = 600  # seconds per cell: a notebook's lesson runs take 5-30 s each on a 2-core machine
+MAX_NOTEBOOK_BYTES = 400_000
+
+
+def lessons() -> dict:
+    """{name: script}: every numbered lesson of day1/ and day2/, test-profile and create_mnist_h5."""
+    found = {p.stem: p for p in REPO.glob("day*/*.py") if re.match(r"\d+_", p.name)}
+    for extra in ("day1/test-profile.py", "data_tools/create_mnist_h5.py"):
+        if (REPO / extra).exists():
+            found[(REPO / extra).stem] = REPO / extra
+    return {name: path.relative_to(REPO).as_posix() for name, path in found.items()}
+
+
+def notebook_names() -> list:
+    return sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb"))
+
+
+def code_of(nb) -> str:
+    """The notebook's code cells as one Python text (IPython syntax such as %magics turned into Python)."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    return "\n\n".join(TransformerManager().transform_cell(c.source) for c in nb.cells if c.cell_type == "code")
+
+
+# ------------------------------------------------------------------------------------------ reading the code
+
+def _strings(node, assigned, seen):
+    """The string constants of an expression in source order, following names to what they were assigned."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):  # f"--lr={x}": its constant start is what matters
+        first = node.values[0] if node.values else None
+        return [first.value] if isinstance(first, ast.Constant) and isinstance(first.value, str) else []
+    if isinstance(node, ast.Name):
+        if node.id in seen:
+            return []
+        out = []
+        for value in assigned.get(node.id, []):
+            out += _strings(value, assigned, seen | {node.id})
+        return out
+    out = []
+    for child in ast.iter_child_nodes(node):
+        out += _strings(child, assigned, seen)
+    return out
+
+
+def _func_name(call) -> str:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+
+
+def lesson_calls(code: str) -> list:
+    """[(script, [--options], call node)] for every call in `code` that runs a script."""
+    tree = ast.parse(code)
+    assigned = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        assigned.setdefault(name.id, []).append(node.value)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)) and isinstance(node.target, ast.Name) and node.value:
+            assigned.setdefault(node.target.id, []).append(node.value)
+    calls = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and _func_name(node) in RUNNERS):
+            continue
+        strings = [s for arg in node.args for s in _strings(arg, assigned, frozenset())]
+        scripts = [i for i, s in enumerate(strings) if SCRIPT.match(s)]
+        if scripts:
+            first = scripts[0]
+            options = [s.split("=")[0] for s in strings[first + 1:] if s.startswith("--")]
+            calls.append((strings[first], options, node))
+    return calls
+
+
+def unknown_options(code: str) -> list:
+    """[(script, option)] for every option a notebook passes that the script's --help does not list."""
+    bad = []
+    for script, options, _ in lesson_calls(code):
+        text = help_text(script)
+        bad += [(script, o) for o in options if not re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", text)]
+    return bad
+
+
+@functools.lru_cache(maxsize=None)
+def help_text(script: str) -> str:
+    assert (REPO / script).is_file(), f"a notebook runs {script}, which does not exist"
+    return run([PYTHON, REPO / script, "--help"], timeout=120).stdout
+
+
+# ------------------------------------------------------------------------------------------ structure
+
+def test_every_lesson_has_exactly_one_notebook_and_every_notebook_one_lesson():
+    have, want = set(notebook_names()), set(lessons())
+    assert not want - have, f"lessons without a notebook: {sorted(want - have)}"
+    assert not have - want, f"notebooks without a lesson: {sorted(have - want)}"
+    assert set(build_notebooks.sources()) == have, "each notebook has one source in notebooks/src/"
+
+
+def test_committed_notebooks_are_built_from_their_sources():
+    """`python notebooks/build_notebooks.py` regenerates all notebooks; what is committed is its output."""
+    proc = run([PYTHON, NOTEBOOKS / "build_notebooks.py", "--check"], check=False, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_source_check_notices_an_edited_notebook(tmp_path, monkeypatch):
+    name = notebook_names()[0]
+    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    nb.cells[0].source += "\nedited by hand"
+    monkeypatch.setattr(build_notebooks, "HERE", tmp_path)
+    nbformat.write(nb, tmp_path / f"{name}.ipynb")
+    assert build_notebooks.check([name], build_notebooks.sources()) == 1
+
+
+@pytest.mark.parametrize("name", notebook_names())
+def test_notebook_is_committed_with_outputs_of_a_real_run(name):
+    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.execution_count for c in code), "every code cell was executed"
+    outputs = [o for c in code for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs), "at least one picture"
+    printed = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "$ python" in printed, "the lesson's command and output are shown"
+    assert re.search(r"^FULL_SIZE = False\b", code_of(nb), re.M), "the one visible switch, off"
+    assert (NOTEBOOKS / f"{name}.ipynb").stat().st_size < MAX_NOTEBOOK_BYTES
+
+
+@pytest.mark.parametrize("name", notebook_names())
+def test_notebook_runs_its_own_lesson_through_a_checked_call(name):
+    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    code = code_of(nb)
+    assert lessons()[name] in [script for script, _, _ in lesson_calls(code)]
+    raw = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert not re.search(r"^\s*!", raw, re.M), "no `!command`: a failing one does not fail the cell"
+    assert "%system" not in raw and "%sx" not in raw
+    assert "os.system" not in code
+    for call in ast.walk(ast.parse(code)):  # subprocess.run(...) without check=True would hide a failure
+        if isinstance(call, ast.Call) and _func_name(call) == "run" and isinstance(call.func, ast.Attribute):
+            assert any(k.arg == "check" and getattr(k.value, "value", None) is True for k in call.keywords)
+    diffs = re.findall(r"show_diff(?:_stats)?\(\"([^\"]+)\", \"([^\"]+)\"\)", code)
+    assert all(new == lessons()[name] for _, new in diffs), "a diff ends at this notebook's lesson"
+    if re.match(r"\d+_", name) and not name.startswith("0_"):  # lesson 0 and the tools have no predecessor
+        assert diffs and all((REPO / old).is_file() for old, _ in diffs), "the diff against an earlier lesson"
+
+
+@pytest.mark.parametrize("name", [n for n in notebook_names() if lessons().get(n, "").startswith("day2/")])
+def test_day2_notebook_runs_its_lesson_on_two_local_nodes(name):
+    code = code_of(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4))
+    nodes = [kw.value.value for _, _, call in lesson_calls(code) for kw in call.keywords
+             if kw.arg == "nnodes" and isinstance(kw.value, ast.Constant)]
+    assert nodes and max(nodes) >= 2, "a day-2 notebook runs its script as a 2-node job on this machine"
+
+
+# ------------------------------------------------------------------------------------------ options in step
+
+@pytest.mark.parametrize("name", notebook_names())
+def test_notebook_uses_only_options_its_scripts_have(name):
+    code = code_of(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4))
+    assert lesson_calls(code), "the notebook runs at least one script"
+    assert unknown_options(code) == []
+
+
+def test_the_option_check_catches_an_option_a_script_no_longer_has():
+    code = ('SIZE = [] if FULL_SIZE else ["--quick", "--max-steps", 5]\n'
+            'run_lesson("day1/4_mnist_manual_ddp.py", *SIZE, "--sync", "flat", nproc=2)\n'
+            'EXTRA = ["--no-such-option"]\n'
+            'out = run_lesson("day1/4_mnist_manual_ddp.py", *SIZE, *EXTRA, "--run-dir", RUN)\n'
+            'subprocess.run([sys.executable, "day1/0_torch_dist.py", "--nproc=2", f"--gone={n}"], check=True)\n')
+    calls = [(s, o) for s, o, _ in lesson_calls(code)]
+    assert calls == [("day1/4_mnist_manual_ddp.py", ["--quick", "--max-steps", "--sync"]),
+                     ("day1/4_mnist_manual_ddp.py", ["--quick", "--max-steps", "--no-such-option", "--run-dir"]),
+                     ("day1/0_torch_dist.py", ["--nproc", "--gone"])]
+    assert unknown_options(code) == [("day1/4_mnist_manual_ddp.py", "--no-such-option"),
+                                     ("day1/0_torch_dist.py", "--gone")]
+
+
+# ------------------------------------------------------------------------------------------ execution
+
+def execute(nb, timeout=CELL_TIMEOUT):
+    """Run a notebook as JupyterLab does: its own directory as working directory, a fresh kernel."""
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                   resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    return nb
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", notebook_names())
+def test_notebook_executes_headless(name, dataset):
+    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    execute(nb)
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert f"{lessons()[name]}" in printed, "the lesson ran (its command is printed)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ['nproc=2', '"--nproc", 2'])
+def test_a_failing_lesson_run_fails_its_notebook(launch, dataset):
+    """The same helper the notebooks use: a lesson that exits non-zero must stop the notebook.  The first
+    run succeeds (the harness works and a run that exits 0 passes); the second asks lesson 4 for 0 epochs,
+    which the script refuses (exit 2, in every rank under torchrun)."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("from nbhelpers import *"),
+                nbformat.v4.new_code_cell('run_lesson("day1/4_mnist_manual_ddp.py", "--help")'),
+                nbformat.v4.new_code_cell(f'run_lesson("day1/4_mnist_manual_ddp.py", "--epochs", 0, {launch})'),
+                nbformat.v4.new_code_cell('print("not reached")')]
+    with pytest.raises(CellExecutionError) as failure:
+        execute(nb, timeout=300)
+    assert "CalledProcessError" in str(failure.value)
+    assert "--sync" in "".join(o.get("text", "") for o in nb.cells[1].outputs)
+    assert [o.ename for o in nb.cells[2].outputs if o.output_type == "error"] == ["CalledProcessError"]
+    assert "must be at least 1" in "".join(o.get("text", "") for o in nb.cells[2].outputs)
+    assert nb.cells[3].outputs == [] and nb.cells[3].execution_count is None
