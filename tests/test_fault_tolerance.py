@@ -371,7 +371,10 @@ def test_slurm_torchrun_passes_sigusr1_on_and_the_job_resumes(slurm_cluster, ref
     assert "--signals-to-handle=...,SIGUSR1" in log and f"requeueing job {job}" in log
     m = metrics(run_dir)
     (stop,) = m["stops"]
-    assert stop["signals"] == {"0": "SIGUSR1", "1": "SIGUSR1"} and 5 <= stop["step"] < STEPS, log
+    # a worker got SIGUSR1 from its torchrun agent (without --signals-to-handle none would); the other agent
+    # may pass it on after the ranks have agreed to stop, which is the point of agreeing (seen: 1 run in 6)
+    assert stop["signals"] and set(stop["signals"]) <= {"0", "1"}, log
+    assert set(stop["signals"].values()) == {"SIGUSR1"} and 5 <= stop["step"] < STEPS, log
     assert m["resumed_at"] == [stop["step"]] and m["launcher"] == "torchrun"
     assert_bitwise_equal(run_dir, reference)
 
