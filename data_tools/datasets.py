@@ -296,11 +296,11 @@ class InMemoryMNIST:
 def batches(dataset, sampler, batch_size: int, drop_last: bool = False):
     """Whole batches (images, labels) of an InMemoryMNIST, in the order the sampler gives.
 
-    The sampler (RandomSampler, DistributedSampler, a list of indices) is read once per pass into one index
-    tensor, on the dataset's device; each batch is then a slice of it and one index_select per tensor.  A
-    DataLoader over a BatchSampler gives the same batches, bit for bit, 3-5x slower: a list of Python
-    ints and a DataLoader step per batch (benchmarks/bench.py, section input).  As with a DataLoader, call
-    `sampler.set_epoch(e)` before the loop.
+    The sampler's order (RandomSampler, DistributedSampler, a list of indices) becomes one index tensor per
+    pass (sampler_order below), on the dataset's device; each batch is then a slice of it and one
+    index_select per tensor.  A DataLoader over a BatchSampler gives the same batches, bit for bit, 3-5x
+    slower: a list of Python ints and a DataLoader step per batch (benchmarks/bench.py, section input).  As
+    with a DataLoader, call `sampler.set_epoch(e)` before the loop.
     """
     return _Batches(dataset, sampler, batch_size, drop_last)
 

@@ -97,19 +97,21 @@ class H5Chunks(torch.utils.data.Dataset):
         self.path, self.split = Path(path), split
         self.chunk_samples = self.layout.chunk_samples
         self.num_samples = min(limit, self.layout.sizes[split]) if limit else self.layout.sizes[split]
-        self._file = None
-        self._pid = None
+        self._file = self._arrays = self._pid = None
 
     def __getstate__(self):  # a DataLoader worker started by spawn/forkserver gets no open handle
-        return {**self.__dict__, "_file": None, "_pid": None}
+        return {**self.__dict__, "_file": None, "_arrays": None, "_pid": None}
 
     def _open(self):
+        """(images, labels) datasets of this split, opened by this process on its first read; looked up once,
+        not per chunk (a lookup by name costs about as much as reading a small chunk)."""
         import h5py
 
         if self._file is None or self._pid != os.getpid():  # first read in this process (or after a fork)
             self._file = h5py.File(self.path, "r", locking=False)
+            self._arrays = self._file[f"{self.split}/images"], self._file[f"{self.split}/labels"]
             self._pid = os.getpid()
-        return self._file
+        return self._arrays
 
     def __len__(self):
         return -(-self.num_samples // self.chunk_samples)
@@ -120,16 +122,16 @@ class H5Chunks(torch.utils.data.Dataset):
         stop = min(start + self.chunk_samples, self.num_samples)
         if not 0 <= start < stop:
             raise IndexError(f"chunk {chunk} out of range (0..{len(self) - 1})")
-        f = self._open()
+        images, labels = self._open()
         try:
-            images = f[f"{self.split}/images"][start:stop]  # one read of exactly one HDF5 chunk
-            labels = f[f"{self.split}/labels"][start:stop]
+            images = images[start:stop]  # one read of exactly one HDF5 chunk
+            labels = labels[start:stop]
         except OSError as e:  # e.g. a chunk whose checksum does not match: the file was damaged
             raise H5LayoutError(self.path, f"chunk {chunk} of {self.split} is damaged or unreadable: {e}",
                                 self.layout.dataset, self.chunk_samples) from None
-        order = chunk_permutation(stop - start, shuffle_seed)
-        return (torch.arange(start, stop)[order], torch.from_numpy(images)[order],
-                torch.from_numpy(labels.astype(np.int64))[order])
+        order = chunk_permutation(stop - start, shuffle_seed)  # shuffled within the chunk: one gather each
+        return (torch.arange(start, stop)[order], torch.from_numpy(images).index_select(0, order),
+                torch.from_numpy(labels.astype(np.int64)).index_select(0, order))
 
 
 class MemoryChunks(torch.utils.data.Dataset):
@@ -147,30 +149,40 @@ class MemoryChunks(torch.utils.data.Dataset):
         chunk, shuffle_seed = task
         start = chunk * self.chunk_samples
         stop = min(start + self.chunk_samples, self.num_samples)
-        order = chunk_permutation(stop - start, shuffle_seed)
-        index = torch.arange(start, stop)[order]
-        return index, self.images[index], self.labels[index]
+        index = torch.arange(start, stop)[chunk_permutation(stop - start, shuffle_seed)]
+        return index, self.images.index_select(0, index), self.labels.index_select(0, index)
 
 
 def rebatch(chunks, batch_size: int):
     """Cut a stream of (indices, images, labels) chunks into batches of `batch_size`; the last may be short.
 
-    A batch may span two chunks; nothing is dropped or repeated.  Batches are views: one copy per chunk.
+    A batch may span two chunks; nothing is dropped or repeated.  Batches are views of their chunk; only a
+    batch that spans two chunks is copied (fewer than batch_size samples from each side).
     """
     left = None  # what the previous chunks left over, fewer than batch_size samples
     for chunk in chunks:
-        left = chunk if left is None else tuple(torch.cat(pair) for pair in zip(left, chunk))
-        while len(left[0]) >= batch_size:
-            yield tuple(t[:batch_size] for t in left)
-            left = tuple(t[batch_size:] for t in left)
-    if left is not None and len(left[0]):
+        n, start = len(chunk[0]), 0
+        if left is not None:  # complete the batch the previous chunks began
+            start = min(batch_size - len(left[0]), n)
+            left = tuple(torch.cat((a, t[:start])) for a, t in zip(left, chunk))
+            if len(left[0]) < batch_size:
+                continue
+            yield left
+            left = None
+        stop = start + (n - start) // batch_size * batch_size
+        for i in range(start, stop, batch_size):
+            yield tuple(t[i:i + batch_size] for t in chunk)
+        if stop < n:
+            left = tuple(t[stop:] for t in chunk)
+    if left is not None:
         yield left
 
 
 def normalize(images: torch.Tensor, dataset: str) -> torch.Tensor:
     """uint8 [B,28,28] -> float [B,1,28,28]: the same arithmetic as InMemoryMNIST, so both give equal bits."""
     s = spec(dataset)
-    return ((images.float().div_(255) - s.mean) / s.std).unsqueeze(1)
+    x = images.to(torch.float32, copy=True)  # the one new tensor; the rest is in place
+    return x.div_(255).sub_(s.mean).div_(s.std).unsqueeze(1)
 
 
 class H5TestSet:
