@@ -138,6 +138,10 @@ KILL_CASES = [
     ("day1/6_mnist_ddp_pt.py", "self", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
     ("day2/12_ddp_fault_tolerance.py", "self", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
     ("day2/12_ddp_fault_tolerance.py", "torchrun", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
+    ("day1/5_mnist_manual_ddp_profile.py", "self", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
+    ("day1/7_mnist_ddp_pt_timing.py", "self", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
+    ("day1/8_mnist_ddp_pt_lr.py", "torchrun", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
+    ("day2/10_mnist_ddp_pt_multinode.py", "torchrun", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
 ]
 
 
