@@ -95,32 +95,24 @@ def parse(p: Parser, argv=None) -> argparse.Namespace:
 
 
 def unwritable(directory: Path):
-    """Why `directory` could not be created or written, or None.  Tried for real (only trying tells, for root
-    or on a read-only mount), then the directories this check made are removed again: a run that stops on bad
-    input (no data, a wrong option) leaves no empty run dir behind; the writers create it when they write."""
+    """Why `directory` could not be created or written, or None; checked without creating it, so that a run
+    that stops on bad input (no data, a wrong option) leaves no empty run dir behind (the writers create it).
+    Its nearest existing parent is tried for real with a uniquely named probe directory, made and removed at
+    once: only trying tells, for root or on a read-only mount, and a unique name cannot disturb the other
+    ranks, which check the same run dir at the same moment."""
+    import tempfile
+
     directory = Path(directory).absolute()
-    made = []
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return "it is a file" if existing == directory else f"{existing} is a file"
     try:
-        missing = directory
-        while not missing.exists() and missing != missing.parent:
-            made.append(missing)
-            missing = missing.parent
-        for d in reversed(made):
-            d.mkdir()
-        if not directory.is_dir():
-            return "it is a file"
-        if not os.access(directory, os.W_OK | os.X_OK):
-            return "Permission denied"
-        return None
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=existing))
     except OSError as e:
-        made = [d for d in made if d.exists()]
         return e.strerror or str(e)
-    finally:
-        for d in made:
-            try:
-                d.rmdir()
-            except OSError:
-                pass
+    return None
 
 
 def main(run, p: Parser, argv=None) -> None:

@@ -36,7 +36,8 @@ def test_test_profile_writes_one_trace_per_rank(served):
     log_dir, stdout, _ = served
     traces = sorted(log_dir.glob("rank*.pt.trace.json"))
     assert [p.name.split(".")[0] for p in traces] == ["rank0", "rank1"]
-    assert "2 traces for 2 ranks" in stdout and "c10d::allreduce_" in stdout  # key_averages table
+    # the key_averages table (its top rows depend on the machine's load: all_reduce is checked in the traces)
+    assert "2 traces for 2 ranks" in stdout and "Self CPU time total" in stdout, stdout
     for rank, path in enumerate(traces):
         trace = json.loads(path.read_text())
         assert trace["distributedInfo"]["rank"] == rank

@@ -496,3 +496,22 @@ def test_no_fixed_master_port_in_lessons_and_launchers():
             if re.search(r"MASTER_PORT\s*[:=]\s*['\"]?\d{4,5}\b|--master[_-]port[= ]\d|\b29500\b", line):
                 fixed.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
     assert fixed == []
+
+
+def _check_many(path_and_times):
+    from course.cli import unwritable
+
+    path, times = path_and_times
+    return [unwritable(Path(path)) for _ in range(times)]
+
+
+def test_ranks_checking_one_new_run_dir_at_once_do_not_disturb_each_other(tmp_path):
+    """Every rank parses its arguments, and so checks the same run dir, at the same moment (4 ranks of an srun
+    step on a fresh checkout); a check that made and removed the run dir itself broke the others' checks."""
+    import multiprocessing
+
+    target = tmp_path / "runs" / "lesson"
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        results = pool.map(_check_many, [(str(target), 300)] * 4)
+    assert {r for rs in results for r in rs} == {None}
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing left: no run dir, no probe
