@@ -9,6 +9,7 @@ Every launcher ends in the same place: `worker(info, args)` runs once per rank w
 MASTER_PORT in the environment, ready for `dist.init_process_group(...)`, which each lesson calls itself.
 Lesson 0 explains processes and ranks; lesson 9 reads the Slurm variables by hand.
 """
+import importlib
 import os
 import signal
 import socket
@@ -165,6 +166,15 @@ def _run(worker, info: RankInfo, args):
     if "OMP_NUM_THREADS" not in os.environ:
         # ranks on one node share its cores; oversubscribing them makes every rank slower
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
+    if "course.models" in sys.modules:  # a lesson that trains: its optimizer will import torch._dynamo...
+        importlib.import_module("torch._dynamo")  # ...so import it now, before the lesson's init_process_group
+        # torch.optim imports torch._dynamo on an optimizer's first use (1.5-2.5 s).  Imported *after*
+        # init_process_group, torch 2.14 keeps the default process group alive past destroy_process_group:
+        # gloo's threads then still run while the interpreter shuts down, and a rank that has finished can
+        # abort there ("terminate called without an active exception", about once in 30 runs of lesson 5
+        # under load).  Imported before, it costs nothing extra, and the group ends where the lesson ends it
+        # (tests/test_faults.py checks that no gloo thread is left).  Lessons 0, 1 and 9 train nothing and
+        # do not pay for the import.
     try:
         if info.launcher != "self" and info.rank != 0 and info.world_size > 1:
             _wait_for_rank0(info.rank, getattr(args, "timeout", None))

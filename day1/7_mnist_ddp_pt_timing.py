@@ -167,7 +167,7 @@ def worker(info, args):
         row = {"date": datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),
                "world_size": world_size, "threads_per_rank": torch.get_num_threads(), "model": args.model,
                "batch_per_rank": args.batch_size, "device": device.type, "backend": dist.get_backend(),
-               "epochs": epoch + 1, "samples": samples, "train_seconds": round(train_seconds, 4),
+               "epochs": epoch + 1, "samples": samples, "train_seconds": round(train_seconds, 6),
                "samples_per_second": round(samples / train_seconds, 1),
                "step_ms": round(train_seconds * 1000 / step, 3), "compute_ms": round(compute_ms, 3),
                "comm_ms": round(comm_ms, 3), "comm_share": round(comm_ms / (compute_ms + comm_ms), 3),

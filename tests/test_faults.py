@@ -8,6 +8,7 @@
 - Two preparations of the data at once, and two runs writing the same default run dir at once, do not
   corrupt each other.
 - Security: weights_only=True on every torch.load; TensorBoard and Jupyter bound to 127.0.0.1; no fixed port.
+- A finished rank leaves no gloo thread running into interpreter shutdown, where it can abort the process.
 """
 import ast
 import contextlib
@@ -515,3 +516,26 @@ def test_ranks_checking_one_new_run_dir_at_once_do_not_disturb_each_other(tmp_pa
         results = pool.map(_check_many, [(str(target), 300)] * 4)
     assert {r for rs in results for r in rs} == {None}
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing left: no run dir, no probe
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lesson", ["day1/5_mnist_manual_ddp_profile.py", "day1/6_mnist_ddp_pt.py"])
+def test_the_process_group_ends_where_the_lesson_ends_it(lesson, tmp_path):
+    """After destroy_process_group no gloo thread is left: a process group that outlives it still runs its
+    threads while the interpreter shuts down, and a rank that has finished its work can then abort
+    ('terminate called without an active exception', once in about 30 runs of lesson 5 under load).
+    torch.optim imports torch._dynamo on first use, and imported after init_process_group it keeps the
+    group alive (torch 2.14); course/launch.py imports it in each rank first.  Lesson 5 also runs the
+    profiler, whose thread lives on; lesson 6 wraps the model in DDP."""
+    proc = run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                str(REPO / "tests" / "threads_after_lesson.py"), str(REPO / lesson), "--quick",
+                "--train-samples", "640", "--run-dir", str(tmp_path / "run")]
+               + (["--log-dir", str(tmp_path / "log")] if "profile" in lesson else []),
+               check=False, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert proc.returncode == 0 and len(lines) == 2, proc.stdout + proc.stderr
+    for line in lines:
+        rank, _, code, _, threads = line.split()[1:]
+        assert code == "0", line
+        gloo = [name for name in threads.split(",") if "gloo" in name]
+        assert not gloo, f"rank {rank} still runs {gloo} after the lesson returned"
