@@ -171,7 +171,7 @@ def _run(worker, info: RankInfo, args):
         # torch.optim imports torch._dynamo on an optimizer's first use (1.5-2.5 s).  Imported *after*
         # init_process_group, torch 2.14 keeps the default process group alive past destroy_process_group:
         # gloo's threads then still run while the interpreter shuts down, and a rank that has finished can
-        # abort there ("terminate called without an active exception", about once in 30 runs of lesson 5
+        # abort there ("terminate called without an active exception": lesson 5, 2 of 50 runs in a stress loop
         # under load).  Imported before, it costs nothing extra, and the group ends where the lesson ends it
         # (tests/test_faults.py checks that no gloo thread is left).  Lessons 0, 1 and 9 train nothing and
         # do not pay for the import.

@@ -8,7 +8,9 @@ Format "course-mnist-h5" version 1, written by data_tools/create_mnist_h5.py:
     /test/images     uint8 [10000, 28, 28]   same chunking
     /test/labels     uint8 [10000]
 
-Each chunk carries a fletcher32 checksum, so a damaged chunk fails when read instead of feeding garbage.
+With --checksum every chunk also carries a fletcher32 checksum, which HDF5 verifies on every read: a
+damaged chunk then fails instead of feeding garbage, for up to a third of warm streaming speed (the
+benchmark's hdf5 section measures both).  Without it (the default, as in h5py) a damaged byte goes unseen.
 The file is written under a temporary name and renamed into place: readers see no file, the old one or the
 complete new one, never half a file, and so can read without HDF5's file locks (locking=False), which fail
 on some parallel filesystems (Lustre/GPFS: "unable to lock file"; for other HDF5 tools there, export
@@ -33,10 +35,13 @@ def default_h5_path(dataset: str, data_dir, chunk_samples: int = DEFAULT_CHUNK_S
     return Path(data_dir) / f"{dataset}-chunk{chunk_samples}.h5"
 
 
-def create_command(dataset: str, chunk_samples: int = DEFAULT_CHUNK_SAMPLES, output=None) -> str:
+def create_command(dataset: str, chunk_samples: int = DEFAULT_CHUNK_SAMPLES, output=None,
+                   checksum: bool = False) -> str:
     cmd = f"python {CREATE_SCRIPT} --dataset {dataset}"
     if chunk_samples != DEFAULT_CHUNK_SAMPLES:
         cmd += f" --chunk-samples {chunk_samples}"
+    if checksum:
+        cmd += " --checksum"
     if output is not None:
         cmd += f" --output {output}"
     return cmd
@@ -63,6 +68,7 @@ class Layout:
     compression: str           # "none", "gzip", "lzf"
     sizes: dict                # split -> number of samples
     source_sha256: str
+    checksum: bool = False     # a fletcher32 checksum per chunk, verified on every read
 
     def chunks(self, split: str) -> int:
         return -(-self.sizes[split] // self.chunk_samples)
@@ -70,7 +76,8 @@ class Layout:
     def describe(self) -> str:
         k = self.chunk_samples
         lines = [f"{self.path}: {self.dataset}, {FORMAT} v{VERSION}, chunks of {k} samples, "
-                 f"compression {self.compression}"]
+                 f"compression {self.compression}, "
+                 + ("a fletcher32 checksum per chunk" if self.checksum else "no checksums")]
         for split, n in self.sizes.items():
             last = n - (self.chunks(split) - 1) * k
             tail = "" if last == k else f" (the last one {last})"
@@ -82,9 +89,10 @@ class Layout:
 class H5LayoutError(DataError):
     """The file is missing, unreadable or not in this layout; `why` says which, without the fix."""
 
-    def __init__(self, path, why: str, dataset=None, chunk_samples=None):
+    def __init__(self, path, why: str, dataset=None, chunk_samples=None, checksum=False):
         self.path, self.why = path, why
-        fix = create_command(dataset or "<dataset>", chunk_samples or DEFAULT_CHUNK_SAMPLES, path) + " --force"
+        fix = create_command(dataset or "<dataset>", chunk_samples or DEFAULT_CHUNK_SAMPLES, path, checksum)
+        fix += " --force"
         super().__init__(f"{path} is not a usable {FORMAT} file ({why}); recreate it with: {fix}")
 
 
@@ -106,7 +114,7 @@ def read_layout(path) -> Layout:
         if attrs.get("version") != VERSION:
             raise H5LayoutError(path, f"format version {attrs.get('version')!r}, this code reads {VERSION}")
         dataset, k = str(attrs.get("dataset")), int(attrs.get("chunk_samples", 0))
-        compression = set()
+        compression, checksums = set(), set()
         sizes = {}
         for split, expected in SPLIT_SIZES.items():
             for name, tail in (("images", (28, 28)), ("labels", ())):
@@ -121,12 +129,16 @@ def read_layout(path) -> Layout:
                     raise H5LayoutError(path, f"{key} has HDF5 chunks {d.chunks}, expected {(k, *tail)}",
                                         dataset, k)
                 compression.add(d.compression or "none")
+                checksums.add(bool(d.fletcher32))
             sizes[split] = expected
-        return Layout(path, dataset, k, "/".join(sorted(compression)), sizes, str(attrs.get("source_sha256")))
+        return Layout(path, dataset, k, "/".join(sorted(compression)), sizes, str(attrs.get("source_sha256")),
+                      checksums == {True})
 
 
-def write_h5(path, splits: dict, dataset: str, chunk_samples: int, compression: str = "none") -> Layout:
-    """Write splits {name: (images uint8 [N,28,28], labels [N])} to `path` atomically (temp file + rename)."""
+def write_h5(path, splits: dict, dataset: str, chunk_samples: int, compression: str = "none",
+             checksum: bool = False) -> Layout:
+    """Write splits {name: (images uint8 [N,28,28], labels [N])} to `path` atomically (temp file + rename);
+    `checksum`: a fletcher32 checksum per chunk."""
     import h5py
 
     path = Path(path)
@@ -136,8 +148,8 @@ def write_h5(path, splits: dict, dataset: str, chunk_samples: int, compression: 
         with h5py.File(tmp, "w", locking=False) as f:
             f.attrs.update(format=FORMAT, version=VERSION, dataset=dataset, chunk_samples=chunk_samples,
                            source_sha256=source_sha256(splits))
-            # fletcher32: a checksum per chunk, so a damaged chunk is an error on read, not silent garbage
-            opts = {"fletcher32": True, **({} if compression == "none" else {"compression": compression})}
+            # fletcher32: a checksum per chunk, so that a damaged chunk is an error on read, not silent garbage
+            opts = {"fletcher32": checksum, **({} if compression == "none" else {"compression": compression})}
             for split, (images, labels) in splits.items():
                 f.create_dataset(f"{split}/images", data=np.asarray(images, dtype=np.uint8),
                                  chunks=(chunk_samples, 28, 28), **opts)

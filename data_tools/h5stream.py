@@ -88,8 +88,8 @@ def chunk_permutation(n: int, shuffle_seed) -> torch.Tensor:
 class H5Chunks(torch.utils.data.Dataset):
     """Item (chunk, shuffle_seed) -> (indices, images uint8 [n,28,28], labels int64 [n]), shuffled within.
 
-    One h5py read per array per chunk, aligned to the file's chunks.  `limit` keeps the first samples only
-    (--train-samples); the last chunk is then cut short, never padded.
+    One h5py read per chunk of images, aligned to the file's chunks; the labels are read once.  `limit` keeps
+    the first samples only (--train-samples); the last chunk is then cut short, never padded.
     """
 
     def __init__(self, path, split: str, limit: int = 0):
@@ -97,21 +97,33 @@ class H5Chunks(torch.utils.data.Dataset):
         self.path, self.split = Path(path), split
         self.chunk_samples = self.layout.chunk_samples
         self.num_samples = min(limit, self.layout.sizes[split]) if limit else self.layout.sizes[split]
-        self._file = self._arrays = self._pid = None
+        self._images = self._labels = self._file = self._pid = None
 
     def __getstate__(self):  # a DataLoader worker started by spawn/forkserver gets no open handle
-        return {**self.__dict__, "_file": None, "_arrays": None, "_pid": None}
+        return {**self.__dict__, "_file": None, "_images": None, "_labels": None, "_pid": None}
 
     def _open(self):
-        """(images, labels) datasets of this split, opened by this process on its first read; looked up once,
-        not per chunk (a lookup by name costs about as much as reading a small chunk)."""
+        """This split's images dataset and all its labels, opened by this process on its first read.
+
+        - The images dataset is looked up once, not per chunk (a lookup by name costs about as much as
+          reading a small chunk), and the file is opened without HDF5's chunk cache: every chunk is read
+          once per epoch, so a cache would only add a copy of each chunk.
+        - The labels are one byte per sample (60 kB for the training set): read whole, once, into memory,
+          instead of one more small read per chunk.
+        """
         import h5py
 
         if self._file is None or self._pid != os.getpid():  # first read in this process (or after a fork)
-            self._file = h5py.File(self.path, "r", locking=False)
-            self._arrays = self._file[f"{self.split}/images"], self._file[f"{self.split}/labels"]
+            self._file = h5py.File(self.path, "r", locking=False, rdcc_nbytes=0)
+            self._images = self._file[f"{self.split}/images"]
+            try:
+                labels = self._file[f"{self.split}/labels"][:self.num_samples]
+            except OSError as e:
+                raise H5LayoutError(self.path, f"the labels of {self.split} are damaged or unreadable: {e}",
+                                    self.layout.dataset, self.chunk_samples, self.layout.checksum) from None
+            self._labels = torch.from_numpy(labels.astype(np.int64))
             self._pid = os.getpid()
-        return self._arrays
+        return self._images, self._labels
 
     def __len__(self):
         return -(-self.num_samples // self.chunk_samples)
@@ -125,13 +137,12 @@ class H5Chunks(torch.utils.data.Dataset):
         images, labels = self._open()
         try:
             images = images[start:stop]  # one read of exactly one HDF5 chunk
-            labels = labels[start:stop]
-        except OSError as e:  # e.g. a chunk whose checksum does not match: the file was damaged
+        except OSError as e:  # e.g. a chunk whose checksum (--checksum) does not match: the file was damaged
             raise H5LayoutError(self.path, f"chunk {chunk} of {self.split} is damaged or unreadable: {e}",
-                                self.layout.dataset, self.chunk_samples) from None
+                                self.layout.dataset, self.chunk_samples, self.layout.checksum) from None
         order = chunk_permutation(stop - start, shuffle_seed)  # shuffled within the chunk: one gather each
         return (torch.arange(start, stop)[order], torch.from_numpy(images).index_select(0, order),
-                torch.from_numpy(labels.astype(np.int64)).index_select(0, order))
+                labels[start:stop].index_select(0, order))
 
 
 class MemoryChunks(torch.utils.data.Dataset):

@@ -6,6 +6,7 @@ import shutil
 import h5py
 import numpy as np
 import pytest
+import torch
 
 from conftest import PYTHON, REPO, run
 from data_tools.datasets import DataError, load_split
@@ -146,21 +147,65 @@ def test_malformed_files_are_clear_errors(tmp_path, make, why):
     one_line_error(create("--output", path), why, "--force")
 
 
-def test_a_damaged_chunk_is_an_error_when_read_not_garbage(mnist_h5, tmp_path):
+@pytest.fixture(scope="module")
+def checksummed_h5(mnist_h5, tmp_path_factory):
+    """The session's file again, made with --checksum: a fletcher32 checksum per chunk."""
+    path = tmp_path_factory.mktemp("checksummed") / "checksummed.h5"
+    made = create("--dataset", mnist_h5.dataset, "--chunk-samples", "700", "--checksum", "--output", path)
+    assert made.returncode == 0, made.stderr
+    assert "a fletcher32 checksum per chunk" in made.stdout
+    return path
+
+
+def flip(path, dataset, chunk, offset):
+    """Flip 4 bytes inside one chunk of `dataset`, as a bad disk or a broken copy would."""
+    with h5py.File(path, "r") as f:
+        info = f[dataset].id.get_chunk_info(chunk)
+    with open(path, "r+b") as f:
+        f.seek(info.byte_offset + offset)
+        data = f.read(4)
+        f.seek(info.byte_offset + offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+    return info
+
+
+def test_by_default_no_checksum_and_a_damaged_chunk_goes_unseen(mnist_h5, tmp_path):
+    """The trade-off --checksum exists for: without it (h5py's default, and ours) HDF5 cannot tell."""
+    assert read_layout(mnist_h5.path).checksum is False and "no checksums" in mnist_h5.stdout
     path = tmp_path / "damaged.h5"
     shutil.copy(mnist_h5.path, path)
-    with h5py.File(path, "r") as f:
-        info = f["train/images"].id.get_chunk_info(3)
+    flip(path, "train/images", 3, 100)
+    _, images, _ = H5Chunks(path, "train")[(3, None)]
+    _, clean, _ = H5Chunks(mnist_h5.path, "train")[(3, None)]
+    assert not torch.equal(images, clean)  # read without complaint: other pixels than the file was made with
+
+
+def test_with_checksum_a_damaged_chunk_is_an_error_when_read_not_garbage(checksummed_h5, tmp_path):
+    path = tmp_path / "damaged.h5"
+    shutil.copy(checksummed_h5, path)
+    info = flip(path, "train/images", 3, 100)  # 4 bytes inside chunk 3's pixels
     assert info.chunk_offset == (2100, 0, 0)
-    with open(path, "r+b") as f:  # flip 4 bytes inside chunk 3's pixels
-        f.seek(info.byte_offset + 100)
-        data = f.read(4)
-        f.seek(info.byte_offset + 100)
-        f.write(bytes(b ^ 0xFF for b in data))
     chunks = H5Chunks(path, "train")
     assert len(chunks[(2, None)][0]) == 700  # the neighbours still read
-    with pytest.raises(H5LayoutError, match="chunk 3 of train is damaged or unreadable"):
+    with pytest.raises(H5LayoutError, match="chunk 3 of train is damaged or unreadable.*--checksum --output .* --force"):
         chunks[(3, None)]
+
+
+def test_with_checksum_damaged_labels_are_an_error_on_the_first_read(checksummed_h5, tmp_path):
+    path = tmp_path / "damaged-labels.h5"
+    shutil.copy(checksummed_h5, path)
+    flip(path, "train/labels", 1, 10)  # the labels are read whole, once, on the first read
+    with pytest.raises(H5LayoutError, match="the labels of train are damaged or unreadable"):
+        H5Chunks(path, "train")[(0, None)]
+
+
+def test_checksum_or_not_is_part_of_the_layout_a_file_is_reused_for(checksummed_h5, tmp_path):
+    path = tmp_path / "c.h5"
+    shutil.copy(checksummed_h5, path)
+    refused = create("--output", path, "--chunk-samples", "700")
+    one_line_error(refused, "another layout", "checksum True (asked: False)", "--force")
+    again = create("--output", path, "--chunk-samples", "700", "--checksum")
+    assert again.returncode == 0 and "reusing it" in again.stdout, again.stderr
 
 
 def test_a_failed_write_leaves_nothing_behind(tmp_path):
