@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from course.launch import before_init_process_group, free_port
+
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("input", "hdf5", "sync", "train", "startup")
 
@@ -59,14 +61,7 @@ class Context:
 
 def best_of(fn, repeats: int, sync=None) -> float:
     """The shortest of `repeats` timed calls of fn(), in seconds."""
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return best_of_each({"fn": fn}, repeats, sync)["fn"]
 
 
 def best_of_each(fns: dict, repeats: int, sync=None) -> dict:
@@ -93,17 +88,12 @@ def load_lesson(relative_path: str):
     return module
 
 
-def free_port() -> int:
-    from course.launch import free_port as course_free_port
-
-    return course_free_port()
-
-
 def _spawned(rank, fn, world, port, cfg, result_path):
     import torch.distributed as dist
 
     torch.set_num_threads(cfg.get("threads") or max(1, (os.cpu_count() or 1) // world))
     if world > 1:
+        before_init_process_group()  # the workers train, as the lessons' ranks do
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:

@@ -166,15 +166,7 @@ def _run(worker, info: RankInfo, args):
     if "OMP_NUM_THREADS" not in os.environ:
         # ranks on one node share its cores; oversubscribing them makes every rank slower
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
-    if "course.models" in sys.modules:  # a lesson that trains: its optimizer will import torch._dynamo...
-        importlib.import_module("torch._dynamo")  # ...so import it now, before the lesson's init_process_group
-        # torch.optim imports torch._dynamo on an optimizer's first use (1.5-2.5 s).  Imported *after*
-        # init_process_group, torch 2.14 keeps the default process group alive past destroy_process_group:
-        # gloo's threads then still run while the interpreter shuts down, and a rank that has finished can
-        # abort there ("terminate called without an active exception": lesson 5, 2 of 50 runs in a stress loop
-        # under load).  Imported before, it costs nothing extra, and the group ends where the lesson ends it
-        # (tests/test_faults.py checks that no gloo thread is left).  Lessons 0, 1 and 9 train nothing and
-        # do not pay for the import.
+    before_init_process_group()
     try:
         if info.launcher != "self" and info.rank != 0 and info.world_size > 1:
             _wait_for_rank0(info.rank, getattr(args, "timeout", None))
@@ -195,6 +187,21 @@ def _run(worker, info: RankInfo, args):
                     f"every rank was started with the same world size")
         print(f"[rank {info.rank}] error: {what} ({type(e).__name__}: {first})", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def before_init_process_group() -> None:
+    """In a rank that will train: import torch._dynamo now, before its init_process_group.
+
+    torch.optim imports torch._dynamo on an optimizer's first use (1.5-2.5 s).  Imported *after*
+    init_process_group, torch 2.14 keeps the default process group alive past destroy_process_group: gloo's
+    threads then still run while the interpreter shuts down, and a rank that has finished can abort there
+    ("terminate called without an active exception": lesson 5, 2 of 50 runs in a stress loop under load).
+    Imported before, it costs nothing extra, and the group ends where the lesson ends it (tests/test_faults.py
+    checks that no gloo thread is left).  A process that has not imported course.models trains nothing
+    (lessons 0, 1 and 9) and does not pay for the import.
+    """
+    if "course.models" in sys.modules:
+        importlib.import_module("torch._dynamo")
 
 
 def _communication_error(e: RuntimeError) -> bool:
