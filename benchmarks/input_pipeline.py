@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, RandomSampler, Subset
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, Subset
 
 from benchmarks.common import Row, best_of_each
 from data_tools.datasets import InMemoryMNIST, batches, default_data_dir, sampler_order, spec
@@ -19,9 +19,9 @@ from data_tools.datasets import InMemoryMNIST, batches, default_data_dir, sample
 BATCH = 64  # the lessons' default
 
 
-def lessons_epoch(ds, batch_size=BATCH, sync=None) -> int:
+def lessons_epoch(ds, batch_size=BATCH, sync=None, sampler=RandomSampler) -> int:
     n = 0
-    for x, y in batches(ds, RandomSampler(ds), batch_size):
+    for x, y in batches(ds, sampler(ds), batch_size):
         n += len(y)
     if sync:
         sync()
@@ -87,6 +87,7 @@ def run(ctx):
     dst.copy_(src)  # first touch: page faults are not bandwidth
     lessons_epoch(ds)  # warm-up
     t = best_of_each({"lessons": lambda: lessons_epoch(ds), "lessons512": lambda: lessons_epoch(ds, 512),
+                      "sequential": lambda: lessons_epoch(ds, sampler=SequentialSampler),
                       "order": lambda: sampler_order(RandomSampler(ds)),
                       "ints": lambda: np.fromiter(RandomSampler(ds), dtype=np.int64),
                       "dataloader": lambda: dataloader_epoch(ds),
@@ -118,6 +119,9 @@ def run(ctx):
                     lessons / limit_rate, "memory-copy limit",
                     note=f"epoch {t_lessons * 1e3:.1f} ms vs {t_limit * 1e3:.1f} ms at copy bandwidth"
                     ).check(">=", 0.5))
+    rows.append(Row("input", "  the same path in the dataset's order (SequentialSampler)", n / t["sequential"],
+                    "samples/s", t_lessons / t["sequential"], "the lessons' path",
+                    note="the same batch sizes, rows side by side: what shuffling costs the gather"))
     rows.append(Row("input", "  of which: the RandomSampler's order as an index tensor",
                     t_order * 1e3, "ms/epoch", t_order / t_lessons, "the lessons' epoch",
                     note="sampler_order(): one torch.randperm, the same draws as iterating the sampler"))

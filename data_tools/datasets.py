@@ -297,10 +297,11 @@ def batches(dataset, sampler, batch_size: int, drop_last: bool = False):
     """Whole batches (images, labels) of an InMemoryMNIST, in the order the sampler gives.
 
     The sampler's order (RandomSampler, DistributedSampler, a list of indices) becomes one index tensor per
-    pass (sampler_order below), on the dataset's device; each batch is then a slice of it and one
-    index_select per tensor.  A DataLoader over a BatchSampler gives the same batches, bit for bit, 3-5x
-    slower: a list of Python ints and a DataLoader step per batch (benchmarks/bench.py, section input).  As
-    with a DataLoader, call `sampler.set_epoch(e)` before the loop.
+    pass (sampler_order below), on the dataset's device.  The labels of the pass are gathered at once; each
+    batch is then one index_select of the images and a slice of those labels.  A DataLoader over a
+    BatchSampler gives the same batches, bit for bit, 3-5x slower: a list of Python ints and a DataLoader
+    step per batch (benchmarks/bench.py, section input).  As with a DataLoader, call `sampler.set_epoch(e)`
+    before the loop.
     """
     return _Batches(dataset, sampler, batch_size, drop_last)
 
@@ -314,14 +315,17 @@ class _Batches:
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def __iter__(self):
-        import torch
-
         images, labels = self.dataset.images, self.dataset.labels
         order = sampler_order(self.sampler)
         if self.drop_last:
             order = order[:len(order) - len(order) % self.batch_size]
-        for index in order.to(labels.device).split(self.batch_size) if len(order) else ():
-            yield images.index_select(0, index), labels.index_select(0, index)
+        if not len(order):
+            return
+        order = order.to(labels.device)
+        # The labels of the whole pass in one gather (8 bytes a sample): one index_select per batch fewer.
+        pass_labels = labels.index_select(0, order)
+        for index, batch_labels in zip(order.split(self.batch_size), pass_labels.split(self.batch_size)):
+            yield images.index_select(0, index), batch_labels
 
 
 def sampler_order(sampler):

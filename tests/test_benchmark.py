@@ -80,9 +80,10 @@ def test_unwritable_out_fails_before_measuring(dataset, tmp_path):
 
 
 def test_fast_batches_are_the_dataloader_batches_bit_for_bit(dataset, monkeypatch):
-    """The lessons' batches() (one index tensor per epoch, index_select per batch) yields exactly what a
-    DataLoader over a BatchSampler of the same sampler yields: same order, same values, same last batch,
-    and the same random numbers drawn; torch's samplers take the tensor path, without iterating them."""
+    """The lessons' batches() (one index tensor and one label gather per epoch, an image index_select per
+    batch) yields exactly what a DataLoader over a BatchSampler of the same sampler yields: same order, same
+    values, same last batch, and the same random numbers drawn; torch's samplers take the tensor path,
+    without iterating them."""
     from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
     from torch.utils.data.distributed import DistributedSampler
 

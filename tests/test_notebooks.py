@@ -7,6 +7,7 @@ the `--options` it passes, including those held in variables the notebook assign
 """
 import ast
 import functools
+import json
 import re
 import sys
 
@@ -108,10 +109,24 @@ def unknown_options(code: str) -> list:
     return bad
 
 
-@functools.lru_cache(maxsize=None)
 def help_text(script: str) -> str:
     assert (REPO / script).is_file(), f"a notebook runs {script}, which does not exist"
-    return run([PYTHON, REPO / script, "--help"], timeout=120).stdout
+    texts = help_texts()
+    return texts[script] if script in texts else help_texts_of([script])[script]
+
+
+@functools.lru_cache(maxsize=None)
+def help_texts() -> dict:
+    """{script: its --help text} for every script the notebooks run, all from one process."""
+    return help_texts_of({script for name in notebook_names() for script, _, _ in
+                          lesson_calls(code_of(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)))
+                          if (REPO / script).is_file()})
+
+
+def help_texts_of(scripts) -> dict:
+    """tests/help_texts.py runs each script as `python SCRIPT --help` would (the same text), in one process:
+    torch is imported once instead of once per script."""
+    return json.loads(run([PYTHON, REPO / "tests" / "help_texts.py", *sorted(scripts)], timeout=300).stdout)
 
 
 # ------------------------------------------------------------------------------------------ structure
