@@ -19,11 +19,12 @@ a speed-up of W.  On one CPU the ranks share the same cores (each gets cores // 
 cannot add compute, only use it differently: more ranks pay off only when one process could not keep its
 threads busy (the CNN's small convolutions at batch 512) and the all_reduce is small next to a step.  The
 MLP's step is so short that the all_reduce of its 0.4 MB of gradients eats any gain.  On an idle 2-core
-machine (--quick) 2 ranks x 1 thread ran the CNN at batch 512 1.4-1.7x faster than 1 process x 2 threads,
-and the MLP slower at every batch size.  On a busy machine (load above the number of cores) threads wait
-for cores and stall each other, and 1 process x 2 threads crawls: at load 6-8 on 2 cores 2 ranks x 1 thread
-were 3.5x (CNN) to 15-25x (MLP) faster, which says more about the load than about DDP.  So every row records
-the load, and the lesson warns when it is high.  Training time excludes the evaluation.
+VM (--quick) 2 ranks x 1 thread ran the CNN at batch 512 1.05-1.31x faster than 1 process x 2 threads
+(this sweep and benchmarks/bench.py, 2026-11-22), and the MLP slower at every batch size.  On a busy
+machine (load above the number of cores) threads wait for cores and stall each other, and 1 process x 2
+threads crawls: at load 6-8 on 2 cores 2 ranks x 1 thread were 3.5x (CNN) to 15-25x (MLP) faster, which
+says more about the load than about DDP.  So every row records the load, and the lesson warns when it is
+high.  Training time excludes the evaluation.
 
 Each run appends a row to run_dir/timings.csv; rank 0 rewrites the table (scaling.md, scaling.csv) and the
 plot (scaling.png) from the latest run of each world size and configuration; --fresh starts over.

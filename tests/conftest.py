@@ -13,10 +13,19 @@ pytest_plugins = ["slurm_fixture", "h5_fixture"]
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
+# One thread per process in everything the tests start (lessons, notebooks' kernels, Slurm jobs), unless the
+# caller chose a number.  The suite runs two test streams at once on a machine that may have only two cores;
+# a lesson with 2 threads then shares its cores with the other stream, and each of its parallel regions
+# waits for a thread that is not running: one epoch of lesson 2 took 8.2 s instead of 1.4 s next to one busy
+# process.  course/launch.py gives each rank OMP_NUM_THREADS threads when it is set, cores // ranks when not;
+# tests/test_lesson7_timing.py checks the default with the variable unset.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def run(cmd, *, timeout=300, check=True, env=None, cwd=REPO) -> subprocess.CompletedProcess:
-    """Run a command, capture its output, and on an unexpected exit code show all of it."""
-    full_env = {**os.environ, **(env or {})}
+    """Run a command, capture its output, and on an unexpected exit code show all of it.  env: variables to
+    set on top of this process's, a value of None removes one."""
+    full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}  # None: unset
     proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
