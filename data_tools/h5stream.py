@@ -119,11 +119,16 @@ class H5Chunks(torch.utils.data.Dataset):
             try:
                 labels = self._file[f"{self.split}/labels"][:self.num_samples]
             except OSError as e:
-                raise H5LayoutError(self.path, f"the labels of {self.split} are damaged or unreadable: {e}",
-                                    self.layout.dataset, self.chunk_samples, self.layout.checksum) from None
+                raise self._damaged(f"the labels of {self.split} are", e) from None
             self._labels = torch.from_numpy(labels.astype(np.int64))
             self._pid = os.getpid()
         return self._images, self._labels
+
+    def _damaged(self, what: str, e: OSError) -> H5LayoutError:
+        """The error for data h5py could not read back (with --checksum: a checksum that does not match);
+        `what` ends in its verb: "chunk 3 of train is"."""
+        return H5LayoutError(self.path, f"{what} damaged or unreadable: {e}", self.layout.dataset,
+                             self.chunk_samples, self.layout.checksum)
 
     def __len__(self):
         return -(-self.num_samples // self.chunk_samples)
@@ -138,8 +143,7 @@ class H5Chunks(torch.utils.data.Dataset):
         try:
             images = images[start:stop]  # one read of exactly one HDF5 chunk
         except OSError as e:  # e.g. a chunk whose checksum (--checksum) does not match: the file was damaged
-            raise H5LayoutError(self.path, f"chunk {chunk} of {self.split} is damaged or unreadable: {e}",
-                                self.layout.dataset, self.chunk_samples, self.layout.checksum) from None
+            raise self._damaged(f"chunk {chunk} of {self.split} is", e) from None
         order = chunk_permutation(stop - start, shuffle_seed)  # shuffled within the chunk: one gather each
         return (torch.arange(start, stop)[order], torch.from_numpy(images).index_select(0, order),
                 labels[start:stop].index_select(0, order))

@@ -531,7 +531,7 @@ def test_the_process_group_ends_where_the_lesson_ends_it(lesson, tmp_path):
                 str(REPO / "tests" / "threads_after_lesson.py"), str(REPO / lesson), "--quick",
                 "--train-samples", "640", "--run-dir", str(tmp_path / "run")]
                + (["--log-dir", str(tmp_path / "log")] if "profile" in lesson else []),
-               check=False, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+               check=False, timeout=300, env={"OMP_NUM_THREADS": "1"})
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
     assert proc.returncode == 0 and len(lines) == 2, proc.stdout + proc.stderr
     for line in lines:

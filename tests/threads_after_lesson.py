@@ -9,16 +9,11 @@ shuts down (tests/test_faults.py).
 """
 import gc
 import os
-import runpy
 import sys
 
-sys.argv = sys.argv[1:]
-sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
-code = 0
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-except SystemExit as e:
-    code = e.code or 0
+from as_main import run_as_main
+
+code = run_as_main(sys.argv[1:])
 gc.collect()
 names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
 print(f"rank {os.environ.get('RANK')} exit {code} threads {','.join(names)}", flush=True)
