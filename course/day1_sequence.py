@@ -33,7 +33,7 @@ def plan(nproc: int, device: str, quick: bool):
         ("day1/7_mnist_ddp_pt_timing.py", q + d + [str(nproc), "--sweep"], "runs/7_mnist_ddp_pt_timing",
          "timing: world sizes 1..N"),
         ("day1/8_mnist_ddp_pt_lr.py", q + d + n, "runs/8_mnist_ddp_pt_lr", "LR scaling vs 1 process"),
-        ("day1/test-profile.py", n, None, "small profile into ./log"),
+        ("day1/test-profile.py", d + n, None, "small profile into ./log"),
     ]
 
 

@@ -258,14 +258,17 @@ def launch(worker, args, nproc: int = None) -> None:
 
 def _check_gpus(args, nproc: int) -> None:
     """Before spawning: the errors setup_device/backend_for would raise in every rank, as one line."""
-    wants_gpu = getattr(args, "device", "auto") == "cuda" or getattr(args, "backend", "auto") == "nccl"
-    if wants_gpu:
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if nproc > gpus:
-            what = "--backend nccl" if getattr(args, "backend", "auto") == "nccl" else "--device cuda"
-            fix = f"use --nproc {gpus}, or --backend gloo --device cpu" if gpus else "use --backend gloo --device cpu"
-            raise CourseError(f"{what} with {nproc} ranks needs {nproc} GPUs (one per rank), this machine has "
-                              f"{gpus}; {fix}")
+    device, backend = getattr(args, "device", None), getattr(args, "backend", "auto")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # --device auto gives each rank a GPU of its own whenever CUDA sees one (setup_device below)
+    wants_gpu = device == "cuda" or backend == "nccl" or (device == "auto" and gpus > 0)
+    if wants_gpu and nproc > gpus:
+        what = "--backend nccl" if backend == "nccl" else "--device cuda" if device == "cuda" else \
+            "--device auto (CUDA is visible)"
+        fix = f"use --nproc {gpus}, or --backend gloo --device cpu for {nproc} ranks on the CPU" if gpus else \
+            "use --backend gloo --device cpu"
+        raise CourseError(f"{what} with {nproc} ranks needs {nproc} GPUs (one per rank), this machine has "
+                          f"{gpus}; {fix}")
 
 
 def _signal_all(pids, signum) -> None:

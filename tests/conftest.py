@@ -21,6 +21,11 @@ PYTHON = sys.executable
 # tests/test_lesson7_timing.py checks the default with the variable unset.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# CPU-only by default, on a GPU node too: everything the tests start runs the CPU path with gloo, as in CI.
+# Tests marked gpu (tests/test_gpu.py) run with GPU_ENV, the GPUs this run was started with.
+GPU_ENV = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}  # None: unset, every GPU
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 
 def run(cmd, *, timeout=300, check=True, env=None, cwd=REPO) -> subprocess.CompletedProcess:
     """Run a command, capture its output, and on an unexpected exit code show all of it.  env: variables to
@@ -46,8 +51,30 @@ def lesson(script, *args, launcher="self", nproc=2, **kw) -> subprocess.Complete
     return run(cmd, **kw)
 
 
+def help_texts_of(scripts) -> dict:
+    """{script: its --help text}.  tests/help_texts.py runs each script as `python SCRIPT --help` would (the
+    same text), in one process: torch is imported once instead of once per script."""
+    return json.loads(run([PYTHON, REPO / "tests" / "help_texts.py", *sorted(scripts)], timeout=300).stdout)
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    """The largest difference between two state dicts, per tensor relative to the tensor's largest magnitude."""
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in a)
+
+
 def metrics(run_dir) -> dict:
     return json.loads((Path(run_dir) / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def gpus() -> int:
+    """How many CUDA GPUs the tests marked gpu may use (GPU_ENV); skips the test where there is none."""
+    code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    n = int(run([PYTHON, "-c", code], env=GPU_ENV).stdout.split()[-1])
+    if n == 0:
+        pytest.skip("no CUDA GPU is visible: the GPU path is checked on a GPU node (pytest -m gpu)")
+    return n
 
 
 @pytest.fixture(scope="session")

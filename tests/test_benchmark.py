@@ -137,7 +137,8 @@ def test_fast_batches_are_the_dataloader_batches_bit_for_bit(dataset, monkeypatc
 
 
 def test_gpu_rows_code_path_runs_on_the_cpu(dataset, tmp_path):
-    """The GPU rows cannot be measured on a CPU-only machine; their code is the same with device=cpu."""
+    """The GPU rows cannot be measured on a CPU-only machine; their code is the same with device=cpu, but for
+    the CUDA-graph rows, which tests/test_gpu.py runs on a GPU node."""
     from benchmarks import input_pipeline, training
     from benchmarks.common import Context
     from data_tools.datasets import default_data_dir
@@ -148,7 +149,7 @@ def test_gpu_rows_code_path_runs_on_the_cpu(dataset, tmp_path):
     rows += training.run_gpu(ctx, device=cpu)
     assert len(rows) == 5
     assert all(math.isfinite(r.value) and r.value > 0 for r in rows)
-    assert [r.status for r in rows if r.goal] in (["met"], ["not met"])  # the 0.1 s MLP epoch goal
+    assert not [r for r in rows if r.goal or "CUDA graph" in r.name]  # the 0.1 s goal is on a CUDA-graph row
 
 
 def test_goal_verdicts():

@@ -9,7 +9,6 @@ import fcntl
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import threading
@@ -41,7 +40,8 @@ class Running:
 
     def __init__(self, cmd, env=None, cwd=REPO):
         self.cmd = [str(c) for c in cmd]
-        self.proc = subprocess.Popen(self.cmd, cwd=cwd, env={**os.environ, **DETERMINISTIC, **(env or {})},
+        env = {k: v for k, v in {**os.environ, **DETERMINISTIC, **(env or {})}.items() if v is not None}  # None: unset
+        self.proc = subprocess.Popen(self.cmd, cwd=cwd, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         self.lines, self.changed = [], threading.Condition()
         self.tree = {}  # pid -> start time of every process ever seen below this one

@@ -7,7 +7,6 @@ the `--options` it passes, including those held in variables the notebook assign
 """
 import ast
 import functools
-import json
 import re
 import sys
 
@@ -16,7 +15,7 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from conftest import PYTHON, REPO, run
+from conftest import PYTHON, REPO, help_texts_of, run
 
 NOTEBOOKS = REPO / "notebooks"
 sys.path.insert(0, str(NOTEBOOKS))
@@ -121,12 +120,6 @@ def help_texts() -> dict:
     return help_texts_of({script for name in notebook_names() for script, _, _ in
                           lesson_calls(code_of(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)))
                           if (REPO / script).is_file()})
-
-
-def help_texts_of(scripts) -> dict:
-    """tests/help_texts.py runs each script as `python SCRIPT --help` would (the same text), in one process:
-    torch is imported once instead of once per script."""
-    return json.loads(run([PYTHON, REPO / "tests" / "help_texts.py", *sorted(scripts)], timeout=300).stdout)
 
 
 # ------------------------------------------------------------------------------------------ structure
