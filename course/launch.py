@@ -27,6 +27,8 @@ from data_tools.datasets import DataError
 # A SIGTERM (kill, scancel, a time limit) or SIGUSR1 (sbatch --signal) sent to `python lesson.py --nproc N`
 # reaches only the parent: it passes them on to its ranks, as torchrun does with SIGTERM (lesson 12).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Seconds a self-launched rank may take to exit once its work is done (see _end_within)
+EXIT_GRACE_S = int(os.environ.get("COURSE_EXIT_GRACE", "60"))
 
 
 @dataclass(frozen=True)
@@ -212,7 +214,20 @@ def _communication_error(e: RuntimeError) -> bool:
 
 
 def _spawned(index: int, worker, nproc: int, args):
-    _run(worker, RankInfo(index, index, nproc, nproc, 0, "self"), args)
+    try:
+        _run(worker, RankInfo(index, index, nproc, nproc, 0, "self"), args)
+    finally:
+        _end_within(EXIT_GRACE_S)
+
+
+def _end_within(seconds: int) -> None:
+    """This process has done its work and only has to exit: if that takes longer than `seconds`, the kernel
+    ends it (SIGALRM's default action works wherever the process is stuck, even in C++ code after Python has
+    shut down) and the launcher says so.  Seen once on a 16-core node (torch 2.11): a rank of lesson 7's sweep
+    had printed its results and then never exited; it was 1 run in 10 and did not happen again in 30 more.
+    Without this, the job would wait for that rank for ever."""
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(max(1, seconds))
 
 
 def launch(worker, args, nproc: int = None) -> None:
@@ -245,6 +260,10 @@ def launch(worker, args, nproc: int = None) -> None:
                         and process.exitcode != -signal.SIGTERM:
                     index, code = i, process.exitcode  # killed (SIGKILL, OOM...): the others failed because of it
                     break
+            if code == -signal.SIGALRM:
+                raise CourseError(f"rank {index} finished its work but had not exited {EXIT_GRACE_S} s later "
+                                  f"(stuck while shutting down), so it was ended; the other ranks were stopped"
+                                  ) from None
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
             raise CourseError(f"rank {index} {how}; the other ranks were stopped") from None
         except torch.multiprocessing.ProcessRaisedException as e:

@@ -235,6 +235,21 @@ def test_unreachable_master_addr_is_one_line_and_no_hang(dataset, tmp_path):
     assert files_under(tmp_path) == []
 
 
+@pytest.mark.slow
+def test_a_rank_stuck_after_its_work_does_not_hang_the_job():
+    """Rank 1 finishes but cannot exit (a thread that never ends: Python waits for it).  The job ends
+    COURSE_EXIT_GRACE seconds later (60 by default; 3 here), names the rank, and exits 1."""
+    start = time.monotonic()
+    proc = run([PYTHON, REPO / "tests" / "stuck_at_exit.py", "--nproc", "2"], env={"COURSE_EXIT_GRACE": "3"},
+               check=False, timeout=120)
+    took = time.monotonic() - start
+    assert proc.stdout.count("] done") == 2
+    lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert "rank 1 finished its work but had not exited 3 s later" in lines[0]
+    assert took < 60, f"{took:.0f} s"
+
+
 def test_a_port_in_use_is_one_line(tmp_path):
     with socket.socket() as taken:
         taken.bind(("", 0))
