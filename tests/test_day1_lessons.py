@@ -74,8 +74,15 @@ def test_lesson2_under_torchrun_and_refuses_more_processes(dataset, tmp_path):
 
 # ------------------------------------------------------------------------------------------ lesson 3
 
+@pytest.fixture(scope="module")
+def lesson2_40_steps(tmp_path_factory, dataset):
+    run_dir = tmp_path_factory.mktemp("l2-40")
+    lesson("day1/2_mnist_training.py", "--max-steps", "40", "--run-dir", run_dir)
+    return run_dir
+
+
 @pytest.mark.parametrize("launcher", ["self", "torchrun"])
-def test_lesson3_ranks_end_bitwise_identical(dataset, tmp_path, launcher):
+def test_lesson3_ranks_end_bitwise_identical(lesson2_40_steps, tmp_path, launcher):
     args = ["--max-steps", "40", "--run-dir", tmp_path]
     out = lesson("day1/3_mnist_distributed.py", *args, *(["--nproc", "2"] if launcher == "self" else []),
                  launcher=launcher, nproc=2).stdout
@@ -83,8 +90,7 @@ def test_lesson3_ranks_end_bitwise_identical(dataset, tmp_path, launcher):
     assert m["identical_weights"] and m["identical_data_order"], out
     assert [r["steps"] for r in m["ranks"]] == [40, 40]  # each rank did all the work
     # and the weights are exactly lesson 2's: N copies of one single-process run
-    lesson("day1/2_mnist_training.py", "--max-steps", "40", "--run-dir", tmp_path / "l2")
-    a, b = load_weights(tmp_path / "model.pt"), load_weights(tmp_path / "l2" / "model.pt")
+    a, b = load_weights(tmp_path / "model.pt"), load_weights(lesson2_40_steps / "model.pt")
     assert max_rel_diff(a, b) <= REL_BOUND
 
 
