@@ -76,9 +76,10 @@ def main(argv=None) -> int:
             break
 
     total = time.perf_counter() - start
-    print(f"{'lesson':38} {'shows':36} {'time':>7}  result")
+    w1, w2 = (max(len(r[i]) for r in [("lesson", "shows"), *rows]) for i in (0, 1))
+    print(f"{'lesson':{w1}} {'shows':{w2}} {'time':>7}  result")
     for script, shows, seconds, result, _ in rows:
-        print(f"{script:38} {shows:36} {seconds:6.1f}s  {result}")
+        print(f"{script:{w1}} {shows:{w2}} {seconds:6.1f}s  {result}")
     print(f"\n{len(rows)} lessons in {total:.0f} s. Outputs: runs/<lesson>/ (metrics.json, loss.png, model.pt), "
           f"./log_ddp and ./log (profiles: tensorboard --logdir ./log_ddp --host 127.0.0.1)")
     return 1 if any(r[3] == "FAILED" for r in rows) else 0
