@@ -207,7 +207,7 @@ class GraphedSteps:
             graph, index, losses = self._graph(*piece.shape)
             index.copy_(piece)
             graph.replay()
-            self.losses.append(losses.clone())
+            self.losses.append(losses.clone())  # each step's loss is kept, as the lessons keep it
 
 
 def graphed_vs_plain(ctx, device, batch: int, steps: int = 40) -> float:

@@ -27,11 +27,18 @@ GPU_ENV = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}  # No
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+def environ(*changes) -> dict:
+    """This process's environment with `changes` applied in order; a value of None removes a variable."""
+    merged = dict(os.environ)
+    for change in changes:
+        merged.update(change or {})
+    return {k: v for k, v in merged.items() if v is not None}
+
+
 def run(cmd, *, timeout=300, check=True, env=None, cwd=REPO) -> subprocess.CompletedProcess:
     """Run a command, capture its output, and on an unexpected exit code show all of it.  env: variables to
     set on top of this process's, a value of None removes one."""
-    full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}  # None: unset
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=full_env, capture_output=True, text=True,
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=environ(env), capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, metrics, run
+from conftest import PYTHON, REPO, environ, metrics, run
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +40,7 @@ class Running:
 
     def __init__(self, cmd, env=None, cwd=REPO):
         self.cmd = [str(c) for c in cmd]
-        env = {k: v for k, v in {**os.environ, **DETERMINISTIC, **(env or {})}.items() if v is not None}  # None: unset
-        self.proc = subprocess.Popen(self.cmd, cwd=cwd, env=env,
+        self.proc = subprocess.Popen(self.cmd, cwd=cwd, env=environ(DETERMINISTIC, env),
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         self.lines, self.changed = [], threading.Condition()
         self.tree = {}  # pid -> start time of every process ever seen below this one

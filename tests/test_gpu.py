@@ -25,7 +25,7 @@ import pytest
 
 from conftest import GPU_ENV, PYTHON, REPO, max_rel_diff, metrics, run
 from course.output import load_weights
-from test_fault_tolerance import Running
+from test_fault_tolerance import Running, assert_bitwise_equal
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -35,7 +35,7 @@ CPU_VS_GPU = 1e-4    # float32 on two devices: other kernels, other rounding; me
 
 
 def on_gpu(cmd, **kw):
-    return run([str(c) for c in cmd], env={**GPU_ENV, **kw.pop("env", {})}, **kw)
+    return run(cmd, env={**GPU_ENV, **kw.pop("env", {})}, **kw)
 
 
 @pytest.mark.parametrize("launcher", ["self", "torchrun"])
@@ -135,9 +135,7 @@ def test_lesson12_stopped_and_resumed_on_the_gpu_equals_the_uninterrupted_run(gp
     assert 10 <= stop < steps
     out = on_gpu([*args, "--run-dir", tmp_path / "stopped"]).stdout
     assert f": step {stop}" in out and "resuming from" in out, out
-    a, b = load_weights(tmp_path / "stopped" / "model.pt"), load_weights(tmp_path / "reference" / "model.pt")
-    assert all((a[k] == b[k]).all() for k in a), "the resumed run differs from the uninterrupted one"
-    assert metrics(tmp_path / "stopped")["loss_per_step"] == metrics(tmp_path / "reference")["loss_per_step"]
+    assert_bitwise_equal(tmp_path / "stopped", tmp_path / "reference")
 
 
 def test_benchmark_gpu_rows(gpus, dataset, tmp_path):
