@@ -326,13 +326,15 @@ def follow_requeue(cluster, job: int, timeout: float = 400, while_running=None) 
 
 @pytest.mark.slurm
 def test_slurm_signal_before_the_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, reference):
-    """sbatch --time=1 --signal=B:USR1@50: Slurm signals the batch script 10-40 s after the start (it checks
+    """sbatch --time=2 --signal=B:USR1@110: Slurm signals the batch script 10-40 s after the start (it checks
     time limits about every 30 s; measured 27-29 s); the trap passes SIGUSR1 on through srun to both ranks
     (one per node), they checkpoint, the script requeues the job, and the second run resumes and finishes
-    with the weights of the uninterrupted run.  0.8 s per step (40 s) makes the first run outlast the signal."""
+    with the weights of the uninterrupted run.  1.2 s per step (60 s) makes the first run outlast the signal
+    even when a busy slurmctld checks late: with 0.8 s per step (40 s) and --time=1 one run of the suite
+    finished after 54 s without a signal."""
     run_dir = slurm_cluster.workdir / "lesson12-time-limit"
-    job = submit(slurm_cluster, "--time=1", "--signal=B:USR1@50",
-                 args=[*TRAIN, "--step-sleep", "0.8", "--run-dir", run_dir])
+    job = submit(slurm_cluster, "--time=2", "--signal=B:USR1@110",
+                 args=[*TRAIN, "--step-sleep", "1.2", "--run-dir", run_dir])
     info = follow_requeue(slurm_cluster, job)
     log = info["log"]
     print("\n".join(line for line in log.splitlines()
