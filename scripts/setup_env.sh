@@ -15,6 +15,19 @@ as_root() {  # run a command as root if we are root or have password-less sudo; 
   if [ "$(id -u)" -eq 0 ]; then "$@"; elif sudo -n true 2>/dev/null; then sudo "$@"; else return 1; fi
 }
 
+# Before a first install, enough free disk: PyTorch (with its CUDA libraries) is about 6 GB in the venv, and
+# pip needs room for the wheels while it unpacks them.  A full disk would otherwise stop pip halfway.
+if ! compgen -G "$VENV/lib/python*/site-packages/torch" >/dev/null; then
+  need_gb="${COURSE_MIN_FREE_GB:-8}"
+  where="$VENV"; while [ ! -d "$where" ]; do where="$(dirname "$where")"; done
+  free_kb="$(df -Pk "$where" | awk 'NR == 2 {print $4}')"
+  if [ "$free_kb" -lt $((need_gb * 1024 * 1024)) ]; then
+    echo "error: $((free_kb / 1024 / 1024)) GB free on the disk of $where, the venv needs about $need_gb GB" \
+         "(PyTorch is about 6 GB): free some space, or put the venv on a larger disk with VENV=/path/to/venv" >&2
+    exit 1
+  fi
+fi
+
 if [ ! -x "$PY" ]; then
   say "creating the virtual environment $VENV"
   "${PYTHON:-python3}" -m venv "$VENV" || {
