@@ -1,6 +1,6 @@
 """One lesson file, every launcher: who started us, which rank we are, where rank 0 listens.
 
-    python lesson.py --nproc 4          we spawn the 4 workers ourselves (torch.multiprocessing)
+    python lesson.py --nproc 4          we start the 4 workers ourselves (torch.multiprocessing)
     torchrun --nproc_per_node=4 ...     torchrun set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT
     srun python lesson.py               Slurm set SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, the node list
     srun torchrun ...                   torchrun's variables win (one agent per node, as day 2 teaches)
@@ -213,7 +213,11 @@ def _communication_error(e: RuntimeError) -> bool:
         marker in text for marker in ("gloo/transport", "Gloo connectFullMesh", "ProcessGroupNCCL", "NCCL error"))
 
 
-def _spawned(index: int, worker, nproc: int, args):
+def _spawned(index: int, worker, nproc: int, args, environ: dict):
+    # A rank forked from the fork server has the environment the server started with; this launch's own
+    # (MASTER_PORT is new for every launch, e.g. in lesson 7's sweep) is the one that counts.
+    os.environ.clear()
+    os.environ.update(environ)
     try:
         _run(worker, RankInfo(index, index, nproc, nproc, 0, "self"), args)
     finally:
@@ -245,8 +249,8 @@ def launch(worker, args, nproc: int = None) -> None:
         if nproc == 1:
             _run(worker, RankInfo(0, 0, 1, 1, 0, "self"), args)
             return
-        ranks = torch.multiprocessing.start_processes(_spawned, args=(worker, nproc, args), nprocs=nproc,
-                                                      join=False, start_method="spawn")
+        ranks = torch.multiprocessing.start_processes(_spawned, args=(worker, nproc, args, dict(os.environ)),
+                                                      nprocs=nproc, join=False, start_method=_start_method())
         previous = {sig: signal.signal(sig, lambda signum, _: _signal_all(ranks.pids(), signum))
                     for sig in FORWARDED_SIGNALS}
         try:
@@ -273,6 +277,34 @@ def launch(worker, args, nproc: int = None) -> None:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+def _start_method() -> str:
+    """How the ranks are started: forked from a fork server where the platform has one (Linux, macOS).
+
+    The fork server is a fresh Python process (nothing of this one is copied: no CUDA, no threads).  It
+    imports torch and the course's modules once, and every rank is then a fork of it, ready in milliseconds;
+    with "spawn" every rank imports torch again itself, about 2 s of CPU each (benchmarks/bench.py,
+    section startup).  One server serves every launch of this process (lesson 7's sweep).
+    COURSE_START_METHOD=spawn starts every rank as a fresh interpreter instead.
+    """
+    import multiprocessing
+
+    available = multiprocessing.get_all_start_methods()
+    method = os.environ.get("COURSE_START_METHOD") or ("forkserver" if "forkserver" in available else "spawn")
+    if method not in ("forkserver", "spawn") or method not in available:
+        raise CourseError(f"COURSE_START_METHOD={method} is not a way to start ranks here; use "
+                          f"{' or '.join(m for m in ('forkserver', 'spawn') if m in available)}, or unset it")
+    if method == "spawn":
+        return method
+    # torch and the course's modules this lesson uses; each rank still runs the lesson file itself (Python
+    # 3.11's fork server does not preload __main__), which then finds them imported.
+    ours = sorted(name for name in sys.modules if name.split(".")[0] in ("course", "data_tools"))
+    preload = ["torch", "torch.distributed", *ours]
+    if "course.models" in sys.modules:  # a lesson that trains: see before_init_process_group
+        preload.append("torch._dynamo")
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    return "forkserver"
 
 
 def _check_gpus(args, nproc: int) -> None:

@@ -52,7 +52,7 @@ def test_smoke_run_writes_csv_table_and_plot_with_finite_ratios(dataset, tmp_pat
                         "torch DDP, 1 MB buckets", "torch DDP, 25 MB buckets (default)",
                         "torch DDP, 100 MB buckets"):
             assert f"{model}, 2 ranks: step with {variant}" in names
-    for launcher in ("self", "torchrun"):
+    for launcher in ("self (fork server)", "self (spawn)", "torchrun"):
         assert f"{launcher}, 2 ranks: init_process_group + first barrier" in names
 
     png = (tmp_path / "bench.png").read_bytes()

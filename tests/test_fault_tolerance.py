@@ -124,6 +124,11 @@ def start_time(pid: int):
     return int(fields[19]) if fields else None  # field 22 of stat: start time in clock ticks
 
 
+def parent(pid: int) -> int:
+    fields = _stat(pid)
+    return int(fields[1]) if fields else 0
+
+
 def is_alive(pid: int, started) -> bool:
     fields = _stat(pid)
     return bool(fields) and fields[0] != "Z" and int(fields[19]) == started  # same pid, same process

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, run
-from test_fault_tolerance import Running, descendants, start_time
+from test_fault_tolerance import Running, descendants, parent, start_time
 
 KILL_BOUND = 60  # seconds from SIGKILL to the job's exit; the ranks' --timeout is far above it (120 s)
 SMALL = ["--train-samples", "640", "--batch-size", "32"]  # 10 steps per epoch at 2 ranks
@@ -92,10 +92,13 @@ def socket_count(pid: int) -> int:
 
 
 def self_launched_ranks(job: Running, world: int = 2) -> dict:
-    """rank -> pid of `python lesson.py --nproc N`: its children started for the ranks, in rank order."""
+    """rank -> pid of `python lesson.py --nproc N`: the processes started for its ranks, in rank order.  They
+    are forked from the launcher's fork server, whose children they are (with COURSE_START_METHOD=spawn:
+    fresh interpreters running multiprocessing's spawn_main)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        spawned = [pid for pid in descendants(job.proc.pid) if b"spawn_main" in cmdline(pid)]
+        spawned = [pid for pid in descendants(job.proc.pid) if b"spawn_main" in cmdline(pid)
+                   or b"forkserver" in cmdline(pid) and b"forkserver" in cmdline(parent(pid))]
         if len(spawned) == world:
             return dict(enumerate(sorted(spawned, key=lambda pid: (start_time(pid), pid))))
         time.sleep(0.1)
