@@ -9,7 +9,6 @@ import io
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from course.launch import before_init_process_group, free_port
+from course.launch import before_init_process_group, free_port, start_method
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("input", "hdf5", "sync", "train", "startup")
@@ -108,19 +107,13 @@ def _spawned(rank, fn, world, port, cfg, result_path):
 
 def spawn(fn, world: int, cfg: dict):
     """Run fn(rank, world, cfg) in `world` fresh processes (gloo process group when world > 1, 127.0.0.1,
-    a free port) and return what rank 0 returned (JSON-serializable).  The processes are forked from a fork
-    server that has imported torch and the benchmark's modules once, as the lessons' launcher does."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
-                                      else "spawn")
-    if ctx.get_start_method() == "forkserver":
-        ours = sorted(name for name in sys.modules if name.split(".")[0] in ("benchmarks", "course"))
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", *ours])
+    a free port) and return what rank 0 returned (JSON-serializable).  The processes are started as the
+    lessons' ranks are: forked from a fork server that has imported torch and the benchmark's modules once."""
+    method = start_method(packages=("benchmarks", "course", "data_tools"))
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         result_path = Path(tmp) / "result.json"
         torch.multiprocessing.start_processes(_spawned, args=(fn, world, free_port(), cfg, str(result_path)),
-                                              nprocs=world, join=True, start_method=ctx.get_start_method())
+                                              nprocs=world, join=True, start_method=method)
         return json.loads(result_path.read_text())
 
 

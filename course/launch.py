@@ -250,7 +250,7 @@ def launch(worker, args, nproc: int = None) -> None:
             _run(worker, RankInfo(0, 0, 1, 1, 0, "self"), args)
             return
         ranks = torch.multiprocessing.start_processes(_spawned, args=(worker, nproc, args, dict(os.environ)),
-                                                      nprocs=nproc, join=False, start_method=_start_method())
+                                                      nprocs=nproc, join=False, start_method=start_method())
         previous = {sig: signal.signal(sig, lambda signum, _: _signal_all(ranks.pids(), signum))
                     for sig in FORWARDED_SIGNALS}
         try:
@@ -279,14 +279,15 @@ def launch(worker, args, nproc: int = None) -> None:
                 signal.signal(sig, handler)
 
 
-def _start_method() -> str:
+def start_method(packages=("course", "data_tools")) -> str:
     """How the ranks are started: forked from a fork server where the platform has one (Linux, macOS).
 
     The fork server is a fresh Python process (nothing of this one is copied: no CUDA, no threads).  It
     imports torch and the course's modules once, and every rank is then a fork of it, ready in milliseconds;
     with "spawn" every rank imports torch again itself, about 2 s of CPU each (benchmarks/bench.py,
     section startup).  One server serves every launch of this process (lesson 7's sweep).
-    COURSE_START_METHOD=spawn starts every rank as a fresh interpreter instead.
+    COURSE_START_METHOD=spawn starts every rank as a fresh interpreter instead.  `packages`: whose modules,
+    imported here, the server imports too.
     """
     import multiprocessing
 
@@ -299,7 +300,7 @@ def _start_method() -> str:
         return method
     # torch and the course's modules this lesson uses; each rank still runs the lesson file itself (Python
     # 3.11's fork server does not preload __main__), which then finds them imported.
-    ours = sorted(name for name in sys.modules if name.split(".")[0] in ("course", "data_tools"))
+    ours = sorted(name for name in sys.modules if name.split(".")[0] in packages)
     preload = ["torch", "torch.distributed", *ours]
     if "course.models" in sys.modules:  # a lesson that trains: see before_init_process_group
         preload.append("torch._dynamo")

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from course import cli  # noqa: E402
 from course.launch import launch  # noqa: E402
 
+
 def worker(info, args):
     print(f"launch={os.environ['PROBE_LAUNCH']} rank={info.rank} world={info.world_size} "
           f"port={os.environ['MASTER_PORT']}", flush=True)
