@@ -40,7 +40,7 @@ want="$(cat "$REPO"/requirements*.txt | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "installing requirements into $VENV (torch is large: a few minutes the first time)"
   "$PY" -m pip install --quiet --upgrade pip
-  "$PY" -m pip install --quiet -r "$REPO/requirements.txt" -r "$REPO/requirements-test.txt"
+  "$PY" -m pip install --quiet -r "$REPO/requirements.txt" -r "$REPO/requirements-test.txt" -r "$REPO/requirements-docs.txt"
   echo "$want" > "$stamp"
 fi
 
