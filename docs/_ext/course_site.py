@@ -1,0 +1,250 @@
+"""The course website's own Sphinx extension: lesson pages from docs/lessons.toml, links to repository files.
+
+The site's source directory is the repository root, so every relative link in README.md, docs/ and the
+notebooks points at the file it names in the repository.  This extension
+
+- reads the lesson catalog (docs/lessons.toml) and checks that each entry's script, notebook and launcher exist;
+- writes one overview page per course day into docs/_generated/ (git-ignored), with the day's lessons in
+  course order and a toctree of their notebooks;
+- turns each lesson's notebook into its lesson page while Sphinx reads it (the committed .ipynb file is not
+  touched): the catalog's title, idea, objectives and minutes under the notebook's heading, and the lesson's
+  script and SLURM launcher included at the end;
+- maps links to a lesson's script or launcher onto those sections of its lesson page; links to any other
+  repository file become downloads (Sphinx copies the file into the site);
+- writes index.html at the site's root, which forwards to the home page docs/index.html.
+"""
+from __future__ import annotations
+
+import json
+import logging as pylogging
+import tomllib
+from pathlib import Path
+
+from docutils import nodes
+from sphinx import addnodes
+from sphinx.errors import ConfigError
+from sphinx.util import logging
+
+LOGGER = logging.getLogger(__name__)
+
+CATALOG = "docs/lessons.toml"
+GENERATED = "docs/_generated"
+FIELDS = ("id", "day", "title", "idea", "objectives", "minutes", "script", "notebook", "launcher")
+OBJECTIVE_PREFIX = "After this lesson you can "
+
+
+def load_catalog(root: Path) -> list[dict]:
+    """The catalog's lessons, in course order; a ConfigError naming the entry and field when one is wrong."""
+    path = root / CATALOG
+    try:
+        lessons = tomllib.loads(path.read_text())["lesson"]
+    except FileNotFoundError:
+        raise ConfigError(f"{CATALOG} not found: the website makes its lesson pages from it") from None
+    except (tomllib.TOMLDecodeError, KeyError) as err:
+        raise ConfigError(f"{CATALOG}: not a list of [[lesson]] tables ({err})") from None
+    seen = set()
+    for number, lesson in enumerate(lessons, 1):
+        name = f"{CATALOG}, lesson entry {number} (id {lesson.get('id', '?')!r})"
+        missing = [field for field in FIELDS if field not in lesson]
+        if missing:
+            raise ConfigError(f"{name}: missing {', '.join(missing)}")
+        if lesson["id"] in seen:
+            raise ConfigError(f"{name}: the id appears twice")
+        seen.add(lesson["id"])
+        for field in ("script", "notebook", "launcher"):
+            if not (root / lesson[field]).is_file():
+                raise ConfigError(f"{name}: {field} {lesson[field]} does not exist")
+        if not lesson["notebook"].startswith("notebooks/") or not lesson["notebook"].endswith(".ipynb"):
+            raise ConfigError(f"{name}: notebook must be notebooks/<name>.ipynb, not {lesson['notebook']}")
+    return lessons
+
+
+def docname(lesson: dict) -> str:
+    """The lesson page's Sphinx document name: its notebook's path without the suffix."""
+    return lesson["notebook"].removesuffix(".ipynb")
+
+
+def label(lesson: dict, part: str) -> str:
+    return f"lesson-{lesson['id']}-{part}".lower().replace("_", "-")
+
+
+def lesson_name(lesson: dict) -> str:
+    return f"Lesson {lesson['id']}" if lesson["id"].isdigit() else lesson["script"].rsplit("/", 1)[-1]
+
+
+def day_page(day: int, lessons: list[dict]) -> str:
+    """An overview page of one day: a table of its lessons (title, idea, minutes) and their toctree."""
+    total = sum(lesson["minutes"] for lesson in lessons)
+    rows = "\n".join(
+        f"| {lesson_name(lesson)} | [{lesson['title']}](/{lesson['notebook']}) | {lesson['idea']} "
+        f"| {lesson['minutes']} |" for lesson in lessons)
+    entries = "\n".join(f"/{docname(lesson)}" for lesson in lessons)
+    return f"""# Day {day}
+
+{len(lessons)} lessons, about {total // 60} h {total % 60:02d} min of teaching and hands-on time in a workshop
+(breaks not included). Each lesson page has the notebook, the script and its SLURM launcher.
+
+| | Lesson | What it adds | Minutes |
+|---|---|---|---|
+{rows}
+
+```{{toctree}}
+:hidden:
+:maxdepth: 1
+
+{entries}
+```
+"""
+
+
+def lesson_card(lesson: dict) -> str:
+    """The catalog's facts about a lesson, in MyST, shown under the notebook's heading."""
+    objectives = lesson["objectives"]
+    if all(item.startswith(OBJECTIVE_PREFIX) for item in objectives):
+        intro, items = "After this lesson you can:", [item[len(OBJECTIVE_PREFIX):] for item in objectives]
+    else:
+        intro, items = "Objectives:", objectives
+    bullets = "\n".join(f"- {item}" for item in items)
+    return f"""
+````{{admonition}} {lesson_name(lesson)}: {lesson['title']}
+:class: lesson-card
+
+Day {lesson['day']}, about {lesson['minutes']} minutes. {lesson['idea'][:1].upper()}{lesson['idea'][1:]}.
+
+{intro}
+
+{bullets}
+
+Files: [the script](#{label(lesson, 'script')}) `{lesson['script']}`, [the SLURM launcher](#{label(lesson, 'launcher')})
+`{lesson['launcher']}`, the notebook {{download}}`{lesson['notebook']} </{lesson['notebook']}>` (this page).
+````
+"""
+
+
+def lesson_files(lesson: dict) -> str:
+    """The script and the launcher, included in full at the end of the lesson page."""
+    parts = []
+    for part, language, heading in (("script", "python", "The script"), ("launcher", "bash", "The SLURM launcher")):
+        path = lesson[part]
+        parts.append(f"""({label(lesson, part)})=
+## {heading}: `{path}`
+
+{{download}}`Download {path} </{path}>`
+
+```{{literalinclude}} /{path}
+:language: {language}
+:linenos:
+```
+""")
+    return "\n".join(parts)
+
+
+def markdown_cell(source: str, cell_id: str) -> dict:
+    return {"cell_type": "markdown", "id": f"course-site-{cell_id}", "metadata": {}, "source": source}
+
+
+def lesson_notebook(text: str, lesson: dict) -> str:
+    """The notebook's JSON with the lesson card under its first heading and the files appended."""
+    notebook = json.loads(text)
+    cells = notebook["cells"]
+    first = next((i for i, cell in enumerate(cells) if cell["cell_type"] == "markdown"), None)
+    card = markdown_cell(lesson_card(lesson), "card")
+    if first is None:
+        cells.insert(0, card)
+    else:
+        lines = "".join(cells[first]["source"]).splitlines(keepends=True)
+        heading = next((i for i, line in enumerate(lines) if line.startswith("# ")), None)
+        if heading is None:
+            cells.insert(first, card)
+        else:
+            head, rest = "".join(lines[:heading + 1]), "".join(lines[heading + 1:])
+            cells[first:first + 1] = [markdown_cell(head, "heading"), card] + ([markdown_cell(rest, "intro")] if rest.strip() else [])
+    cells.append(markdown_cell(lesson_files(lesson), "files"))
+    return json.dumps(notebook)
+
+
+class Course:
+    def __init__(self, root: Path):
+        self.root = root
+        self.lessons = load_catalog(root)
+        self.by_doc = {docname(lesson): lesson for lesson in self.lessons}
+        # a lesson's script and launcher -> (lesson page, anchor); its notebook is the page itself
+        self.targets = {}
+        for lesson in self.lessons:
+            self.targets[lesson["script"]] = (docname(lesson), label(lesson, "script"))
+            self.targets[lesson["launcher"]] = (docname(lesson), label(lesson, "launcher"))
+
+    def days(self) -> dict[int, list[dict]]:
+        days: dict[int, list[dict]] = {}
+        for lesson in self.lessons:
+            days.setdefault(lesson["day"], []).append(lesson)
+        return days
+
+    def write_generated(self) -> list[str]:
+        """Write the day pages into docs/_generated/, replacing what an earlier build left; their docnames."""
+        out = self.root / GENERATED
+        out.mkdir(parents=True, exist_ok=True)
+        wanted = {f"day{day}.md": day_page(day, lessons) for day, lessons in self.days().items()}
+        for stale in out.glob("*.md"):
+            if stale.name not in wanted:
+                stale.unlink()
+        for name, text in wanted.items():
+            path = out / name
+            if not path.exists() or path.read_text() != text:  # unchanged pages keep their mtime
+                path.write_text(text)
+        return [f"{GENERATED}/{name.removesuffix('.md')}" for name in sorted(wanted)]
+
+
+def on_source_read(app, name: str, source: list[str]) -> None:
+    lesson = app.course.by_doc.get(name)
+    if lesson is not None:
+        source[0] = lesson_notebook(source[0], lesson)
+
+
+def on_doctree_read(app, doctree) -> None:
+    """Links to a lesson's script or launcher go to that section of its lesson page (before the download
+    collector copies the files)."""
+    env = app.env
+    for node in list(doctree.findall(addnodes.download_reference)):
+        if node.get("reftype") != "myst":
+            continue  # an explicit {download} role stays a download
+        path, _ = env.relfn2path(node["reftarget"], env.docname)
+        target = app.course.targets.get(Path(path).as_posix())
+        if target is None:
+            continue
+        page, anchor = target
+        xref = addnodes.pending_xref("", refdomain="doc", reftarget=page, reftargetid=anchor, reftype="myst",
+                                     refexplicit=True, refdoc=env.docname)
+        xref += node.children
+        node.replace_self(xref)
+
+
+def on_build_finished(app, exception) -> None:
+    if exception is None and app.builder.format == "html":
+        home = app.builder.get_target_uri(app.config.root_doc)
+        (Path(app.outdir) / "index.html").write_text(
+            f'<!DOCTYPE html>\n<meta charset="utf-8">\n<title>Redirect</title>\n'
+            f'<meta http-equiv="refresh" content="0; url={home}">\n<a href="{home}">{home}</a>\n')
+
+
+class EmptyGlobFilter:
+    """A glob toctree of the home page that matches nothing yet (a reader's section not written yet) is
+    reported as information, not as a warning: sections appear as their files do."""
+
+    def filter(self, record) -> bool:
+        if getattr(record, "subtype", None) == "empty_glob":
+            LOGGER.info(f"(no pages yet) {record.getMessage()}")
+            return False
+        return True
+
+
+def setup(app):
+    for handler in pylogging.getLogger(logging.NAMESPACE).handlers:
+        if isinstance(handler, logging.WarningStreamHandler):
+            handler.filters.insert(0, EmptyGlobFilter())  # before Sphinx counts it as a warning
+    app.course = Course(Path(app.srcdir))
+    app.course.write_generated()
+    app.connect("source-read", on_source_read)
+    app.connect("doctree-read", on_doctree_read, priority=400)
+    app.connect("build-finished", on_build_finished)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
