@@ -1,0 +1,158 @@
+"""docs/lessons.toml, the lesson catalog, against the repository and the documents made from it.
+
+- every lesson script (day1/, day2/, data_tools/create_mnist_h5.py) has exactly one entry, and every entry
+  names a script, notebook and launcher that exist;
+- the instructor guide's timetables list each day's lessons with the catalog's titles and minutes, their
+  clock times add up, and the per-day sums the guide quotes are the catalog's;
+- the one-day cut keeps some lessons and assigns the others as reading, each exactly once;
+- the README's course map lists every lesson's title, linked to its script.
+No torch import: reading text only.
+"""
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CATALOG = REPO / "docs" / "lessons.toml"
+GUIDE = REPO / "docs" / "trainers" / "instructor-guide.md"
+README = REPO / "README.md"
+ROW = re.compile(r"^\| (\d\d):(\d\d) \| (.+?) \| (\d+) \|$")
+
+
+def catalog(path=CATALOG):
+    return tomllib.loads(path.read_text())["lesson"]
+
+
+def lesson_scripts(repo=REPO):
+    scripts = sorted(p.relative_to(repo).as_posix() for day in ("day1", "day2") for p in (repo / day).glob("*.py"))
+    return scripts + ["data_tools/create_mnist_h5.py"]
+
+
+def section(text, heading):
+    """The text under a Markdown heading, up to the next heading of the same or a higher level."""
+    level = len(heading) - len(heading.lstrip("#"))
+    start = text.index("\n" + heading + "\n") + len(heading) + 2
+    end = re.compile(rf"^#{{1,{level}}} ", re.M).search(text, start)
+    return text[start:end.start() if end else len(text)]
+
+
+def timetable(text):
+    """[(minute of the day, block, minutes)] of the first timetable in text, and the lessons' sum it quotes."""
+    rows = [(int(h) * 60 + int(m), block, int(n)) for h, m, block, n in
+            (ROW.match(line).groups() for line in text.splitlines() if ROW.match(line))]
+    quoted = re.search(r"^Lessons: (\d+) minutes; the day runs (\d\d:\d\d)-(\d\d:\d\d)\.", text, re.M)
+    assert rows and quoted, "a timetable needs rows '| HH:MM | block | minutes |' and a line 'Lessons: N minutes; ...'"
+    return rows, quoted
+
+
+def lesson_rows(rows, by_id):
+    """{lesson id: (title, minutes)} of the rows that are lessons ('lesson ID: TITLE')."""
+    found = {}
+    for _, block, minutes in rows:
+        match = re.fullmatch(r"lesson (\S+): (.+)", block)
+        if match:
+            assert match[1] in by_id, f"the timetable names lesson {match[1]}, which the catalog does not have"
+            assert match[1] not in found, f"lesson {match[1]} appears twice in one timetable"
+            found[match[1]] = (match[2], minutes)
+    return found
+
+
+def check_timetable(text, by_id, lessons):
+    rows, quoted = timetable(text)
+    for (start, block, minutes), (next_start, _, _) in zip(rows, rows[1:]):
+        assert start + minutes == next_start, f"'{block}' starts at {start // 60:02d}:{start % 60:02d} and lasts " \
+                                              f"{minutes} min, but the next block does not start then"
+    found = lesson_rows(rows, by_id)
+    assert set(found) == set(lessons)
+    for lesson_id, (title, minutes) in found.items():
+        assert (title, minutes) == (by_id[lesson_id]["title"], by_id[lesson_id]["minutes"]), lesson_id
+    total = sum(by_id[i]["minutes"] for i in lessons)
+    end = rows[-1][0] + rows[-1][2]
+    assert int(quoted[1]) == total, f"the guide quotes {quoted[1]} minutes of lessons, the catalog sums to {total}"
+    assert (quoted[2], quoted[3]) == (f"{rows[0][0] // 60:02d}:{rows[0][0] % 60:02d}", f"{end // 60:02d}:{end % 60:02d}")
+    return found
+
+
+def test_every_lesson_script_has_exactly_one_entry():
+    scripts = [entry["script"] for entry in catalog()]
+    assert sorted(scripts) == sorted(lesson_scripts()), "one catalog entry per lesson script, no more"
+    assert len(set(scripts)) == len(scripts)
+    ids = [entry["id"] for entry in catalog()]
+    assert len(set(ids)) == len(ids)
+
+
+def test_entries_are_complete_and_their_paths_exist():
+    for entry in catalog():
+        assert entry["day"] in (1, 2), entry["id"]
+        assert entry["title"] and entry["idea"] and entry["minutes"] > 0, entry["id"]
+        assert 2 <= len(entry["objectives"]) <= 4, entry["id"]
+        assert all(o.startswith("After this lesson you can ") for o in entry["objectives"]), entry["id"]
+        for key in ("script", "notebook", "launcher"):
+            assert (REPO / entry[key]).is_file(), f"lesson {entry['id']}: {key} {entry[key]} does not exist"
+
+
+def test_entries_are_in_course_order():
+    ids = [entry["id"] for entry in catalog()]
+    numbered = [int(i) for i in ids if i.isdigit()]
+    assert numbered == sorted(numbered) == list(range(13))
+    assert ids.index("test-profile") == ids.index("8") + 1
+    assert [entry["day"] for entry in catalog()] == sorted(entry["day"] for entry in catalog())
+
+
+def test_the_guide_timetables_match_the_catalog():
+    text, by_id = GUIDE.read_text(), {entry["id"]: entry for entry in catalog()}
+    for day in (1, 2):
+        heading = next(line for line in text.splitlines() if line.startswith(f"### Day {day}"))
+        check_timetable(section(text, heading), by_id, [i for i, e in by_id.items() if e["day"] == day])
+
+
+def test_the_one_day_cut_keeps_or_assigns_every_lesson_once():
+    text, by_id = GUIDE.read_text(), {entry["id"]: entry for entry in catalog()}
+    one_day = section(text, "### One day")
+    kept = lesson_rows(timetable(one_day)[0], by_id)
+    check_timetable(one_day, by_id, list(kept))
+    reading = re.findall(r"^- lesson (\S+): ", one_day, re.M)
+    assert len(reading) == len(set(reading))
+    assert set(kept) | set(reading) == set(by_id) and not set(kept) & set(reading)
+
+
+def test_the_guide_quotes_every_objective_and_minutes():
+    text = GUIDE.read_text()
+    for entry in catalog():
+        assert f": {entry['title']} ({entry['minutes']} min)" in text, entry["id"]
+        for objective in entry["objectives"]:
+            assert objective in text, f"lesson {entry['id']}: objective missing from the guide: {objective}"
+
+
+def test_the_readme_course_map_lists_every_lesson():
+    course_map = section(README.read_text(), "## Course map")
+    for entry in catalog():
+        assert f"[{entry['title']}]({entry['script']})" in course_map, \
+            f"the README's course map lacks lesson {entry['id']} ({entry['title']})"
+
+
+def test_the_checks_fail_on_a_broken_catalog(tmp_path):
+    """The checks above catch a missing entry, a duplicate, a wrong path and a timetable out of step."""
+    text = CATALOG.read_text()
+    entries = text.split("[[lesson]]")
+    dropped = tmp_path / "dropped.toml"
+    dropped.write_text("[[lesson]]".join(entries[:-1]))
+    assert sorted(e["script"] for e in catalog(dropped)) != sorted(lesson_scripts())
+    doubled = tmp_path / "doubled.toml"
+    doubled.write_text(text + "[[lesson]]" + entries[1])
+    assert len({e["script"] for e in catalog(doubled)}) < len(catalog(doubled))
+
+    by_id = {entry["id"]: entry for entry in catalog()}
+    day1 = section(GUIDE.read_text(), next(line for line in GUIDE.read_text().splitlines()
+                                            if line.startswith("### Day 1")))
+    longer = {**by_id, "0": {**by_id["0"], "minutes": by_id["0"]["minutes"] + 5}}
+    with pytest.raises(AssertionError):
+        check_timetable(day1, longer, [i for i, e in by_id.items() if e["day"] == 1])
+    with pytest.raises(AssertionError):
+        check_timetable(day1, by_id, [i for i, e in by_id.items() if e["day"] == 1 and i != "3"])
+    shifted = day1.replace("| 09:50 |", "| 09:55 |", 1)
+    assert shifted != day1
+    with pytest.raises(AssertionError):
+        check_timetable(shifted, by_id, [i for i, e in by_id.items() if e["day"] == 1])
