@@ -1,1 +1,1 @@
-"""The course's benchmark: `python benchmarks/bench.py` (see bench.py and README)."""
+"""The course's benchmark: `python benchmarks/bench.py` (see bench.py and benchmarks/README.md)."""
