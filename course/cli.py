@@ -29,6 +29,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """A whole number of steps or samples, 0 allowed (0 steps of warmup: none)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -77,6 +88,14 @@ def add_distributed(p: Parser) -> Parser:
                    help="auto: nccl on GPUs, gloo on the CPU")
     p.add_argument("--timeout", type=positive_float, default=120.0,
                    help="seconds a rank waits for the others (process group init and collectives)")
+    return p
+
+
+def add_loader(p: Parser, default: str = "dataloader") -> Parser:
+    p.add_argument("--loader", default=default, choices=("dataloader", "memory"),
+                   help="dataloader: a DataLoader over the DistributedSampler, the loop for any dataset; "
+                        "memory: the same batches in the same order, gathered from the in-memory tensors "
+                        "(faster)")
     return p
 
 

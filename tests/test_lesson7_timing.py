@@ -5,14 +5,13 @@ Speed itself is not asserted: on 2 shared cores it depends on what else runs.  W
 the lesson measures, records and explains consistently, under its own launcher and under torchrun.
 """
 import csv
-import importlib.util
 import os
 import re
 import shutil
 
 import pytest
 
-from conftest import REPO, lesson, metrics
+from conftest import lesson, metrics
 
 SCRIPT = "day1/7_mnist_ddp_pt_timing.py"
 COLUMNS = ["date", "host", "world_size", "threads_per_rank", "model", "batch_per_rank", "device", "epochs",
@@ -36,13 +35,6 @@ def probe_lines(stdout: str) -> dict:
     found = re.findall(r"^(\d+) ranks x (\d+) threads, mlp at batch 64 per rank: compute ([\d.]+) ms/step, "
                        r"communication ([\d.]+) ms/step", stdout, re.M)
     return {int(w): (int(t), float(c), float(m)) for w, t, c, m in found}
-
-
-def load_lesson():
-    spec = importlib.util.spec_from_file_location("lesson7", REPO / SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +72,17 @@ def test_a_sweep_adds_one_row_per_world_size_and_explains_with_the_measured_numb
     expected = (f"2 x {c1:.3f} / ({c2:.3f} + {m2:.3f}) = {2 * c1 / (c2 + m2):.2f}x predicted, "
                 f"{measured:.2f}x measured")
     assert expected in out.stdout
-    assert re.search(r"^2 ranks (pay off|do not pay off) here: ", out.stdout, re.M)
+    verdict = re.search(r"^2 ranks (pay off|do not pay off|make no measurable difference) here "
+                        r"\(([\d.]+)x ± ([\d.]+) against 1.0\)", out.stdout, re.M)
+    assert verdict, out.stdout
+    speedup, spread = float(verdict[2]), float(verdict[3])
+    assert speedup == pytest.approx(measured, abs=6e-3)
+    # the verdict is the position of 1.0 against speed-up ± noise, not a fixed threshold
+    assert verdict[1] == ("pay off" if speedup - spread > 1 else "do not pay off" if speedup + spread < 1
+                          else "make no measurable difference") or abs(abs(speedup - 1) - spread) < 0.006
+    # advice never repeats what the run did: this run was the MLP at batch 64
+    if verdict[1] != "pay off":
+        assert "--model cnn --batch-size 512" in out.stdout
     # the table and the plot exist and hold both world sizes
     table = (run_dir / "scaling.md").read_text()
     assert "| mlp | 64 | cpu | 1 x" in table and "| mlp | 64 | cpu | 2 x" in table and "1.00x" in table
@@ -110,24 +112,56 @@ def test_torchrun_chooses_the_world_size_and_adds_one_row(sweep, tmp_path):
 
 
 def test_the_table_keeps_the_latest_run_per_world_size_and_fresh_starts_over(tmp_path):
-    lesson7 = load_lesson()
+    from course import timing
 
     def row(world_size, samples_per_second, date, model="mlp"):
         return {"date": date, "host": "h", "world_size": world_size, "threads_per_rank": 1, "model": model,
                 "batch_per_rank": 64, "device": "cpu", "backend": "gloo", "epochs": 1, "samples": 1000,
                 "train_seconds": 1000 / samples_per_second, "samples_per_second": samples_per_second,
-                "step_ms": 1.0, "compute_ms": 1.0, "comm_ms": 0.5, "comm_share": 0.333, "allreduce_ms": 0.1}
+                "step_ms": 1.0, "compute_ms": 1.0, "comm_ms": 0.5, "comm_share": 0.333, "allreduce_ms": 0.1,
+                "noise": 0.05}
 
-    lesson7.record(tmp_path, row(1, 100.0, "d1"))
-    lesson7.record(tmp_path, row(2, 150.0, "d2"))
-    lesson7.record(tmp_path, row(2, 300.0, "d3"))
-    table = lesson7.record(tmp_path, row(2, 50.0, "d4", model="cnn"))
+    timing.record(tmp_path, row(1, 100.0, "d1"))
+    timing.record(tmp_path, row(2, 150.0, "d2"))
+    timing.record(tmp_path, row(2, 300.0, "d3"))
+    table = timing.record(tmp_path, row(2, 50.0, "d4", model="cnn"))
     assert len(timings(tmp_path)) == 4
     assert [(r["model"], r["world_size"], r["speedup"]) for r in table] == [("cnn", 2, ""), ("mlp", 1, 1.0),
                                                                             ("mlp", 2, 3.0)]
     assert "(no 1-rank run)" in (tmp_path / "scaling.md").read_text()
-    table = lesson7.record(tmp_path, row(1, 100.0, "d5"), fresh=True)
+    # the speed-up's noise: both runs' noises in quadrature
+    assert table[2]["speedup_noise"] == pytest.approx(3.0 * (2 * 0.05 ** 2) ** 0.5, abs=1e-3)
+    assert "3.00x ± 0.21" in (tmp_path / "scaling.md").read_text()
+    table = timing.record(tmp_path, row(1, 100.0, "d5"), fresh=True)
     assert len(timings(tmp_path)) == 1 and len(table) == 1
+
+
+@pytest.mark.parametrize("speed, noise, verdict", [(130.0, 0.05, "pay off"), (70.0, 0.05, "do not pay off"),
+                                                   (104.0, 0.05, "make no measurable difference"),
+                                                   (130.0, 0.4, "make no measurable difference")])
+def test_the_verdict_puts_1_against_the_speedup_and_its_noise(tmp_path, capsys, speed, noise, verdict):
+    from course import timing
+
+    def row(world_size, samples_per_second, model="mlp", batch=64):
+        return {"date": "d", "host": "h", "world_size": world_size, "threads_per_rank": 1, "model": model,
+                "batch_per_rank": batch, "device": "cpu", "backend": "gloo", "epochs": 1, "samples": 1000,
+                "train_seconds": 1000 / samples_per_second, "samples_per_second": samples_per_second,
+                "step_ms": 1.0, "compute_ms": 1.0, "comm_ms": 0.5, "comm_share": 0.333, "allreduce_ms": 0.1,
+                "load": 0.0, "noise": noise}
+
+    for model, batch in (("mlp", 64), ("cnn", 512)):
+        timing.record(tmp_path, row(1, 100.0, model, batch))
+        two = row(2, speed, model, batch)
+        table = timing.record(tmp_path, two)
+        timing.explain(two, table, 1000, tmp_path)
+        out = capsys.readouterr().out
+        assert f"2 ranks {verdict} here ({speed / 100:.2f}x ± " in out
+        if verdict == "pay off":
+            assert "give each step more work" not in out
+        elif model == "mlp":
+            assert "(--model cnn --batch-size 512)" in out
+        else:  # the run already was the CNN at batch 512: no advice to do what it did
+            assert "--model cnn" not in out and "--batch-size 512" not in out and "its own GPU" in out
 
 
 def test_bad_world_sizes_are_one_line_and_exit_2(tmp_path):
