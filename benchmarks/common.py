@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from course.launch import before_init_process_group, free_port, start_method
+from course.ports import free_port
+from course.supervise import before_init_process_group, start_method
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("input", "hdf5", "sync", "train", "startup")

@@ -14,8 +14,11 @@ from course.launch import launch  # noqa: E402
 
 
 def worker(info, args):
-    print(f"launch={os.environ['PROBE_LAUNCH']} rank={info.rank} world={info.world_size} "
-          f"port={os.environ['MASTER_PORT']}", flush=True)
+    # One write per line: with PYTHONUNBUFFERED=1, print() writes the text and its newline separately, and
+    # two ranks' lines could interleave on the shared pipe.
+    sys.stdout.write(f"launch={os.environ['PROBE_LAUNCH']} rank={info.rank} world={info.world_size} "
+                     f"port={os.environ['MASTER_PORT']}\n")
+    sys.stdout.flush()
 
 
 def both(args):

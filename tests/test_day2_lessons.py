@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, lesson, metrics
-from course.launch import free_port
+from course.ports import free_port
 from course.output import load_weights
 
 

@@ -206,7 +206,7 @@ def test_every_process_group_init_has_a_timeout():
 @pytest.mark.parametrize("addr", ["192.0.2.1", "no-such-host.invalid"])  # TEST-NET-1 is never routed
 def test_a_rank_that_cannot_reach_rank0_gives_up_within_the_timeout(monkeypatch, addr):
     from course.cli import CourseError
-    from course.launch import _wait_for_rank0
+    from course.ports import wait_for_rank0
 
     with socket.socket() as s:  # a port nobody listens on (for the address that does answer)
         s.bind(("127.0.0.1", 0))
@@ -216,7 +216,7 @@ def test_a_rank_that_cannot_reach_rank0_gives_up_within_the_timeout(monkeypatch,
     start = time.monotonic()
     with pytest.raises(CourseError, match=rf"rank 1 could not reach rank 0 at MASTER_ADDR={re.escape(addr)} "
                                           rf"MASTER_PORT={port} within --timeout 3 s"):
-        _wait_for_rank0(1, 3)
+        wait_for_rank0(1, 3)
     assert time.monotonic() - start <= 3.5  # init_process_group alone took up to 2x its timeout here
 
 

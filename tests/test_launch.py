@@ -1,6 +1,6 @@
-"""How `python lesson.py --nproc N` starts its ranks (course/launch.py): forked from one fork server that
-has imported torch, each with the environment of its own launch; COURSE_START_METHOD=spawn for fresh
-interpreters instead."""
+"""How `python lesson.py --nproc N` starts its ranks (course/launch.py, course/supervise.py): forked from one
+fork server that has imported torch, each with the environment of its own launch; COURSE_START_METHOD=spawn
+for fresh interpreters instead."""
 import re
 
 import pytest

@@ -499,7 +499,7 @@ def test_port_check_ignores_time_wait_but_not_a_listener():
     import socket
 
     from course.cli import CourseError
-    from course.launch import _check_port_free
+    from course.ports import check_port_is_free
 
     with socket.socket() as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore listens
@@ -507,7 +507,7 @@ def test_port_check_ignores_time_wait_but_not_a_listener():
         listener.listen()
         port = listener.getsockname()[1]
         with pytest.raises(CourseError, match=f"port {port} on node1 is already in use"):
-            _check_port_free("node1", port)
+            check_port_is_free("node1", port)
         client = socket.create_connection(("127.0.0.1", port))
         server_side, _ = listener.accept()
         server_side.close()  # the side that closes first keeps the port in TIME_WAIT
@@ -516,4 +516,4 @@ def test_port_check_ignores_time_wait_but_not_a_listener():
                                capture_output=True, text=True)
     if time_wait.returncode == 0:
         assert time_wait.stdout.strip(), "expected the port in TIME_WAIT"
-    _check_port_free("node1", port)  # no exception
+    check_port_is_free("node1", port)  # no exception
