@@ -17,17 +17,19 @@ large-batch training ramps the lr up over those steps (--warmup-steps) and we co
 them (--compare-after).  --lr is the base lr for the batch --batch-size per rank; the run uses lr * W
 unless --no-scale.
 
-The check: a W-rank run is compared with 1 process (lr, batch b) at equal samples seen.  Both curves are
-smoothed with a moving mean over --smooth-samples samples; the largest gap after the first --compare-after
-samples is printed and written to metrics.json.  Measured with --quick (seeds 0-2): 2 ranks 0.02-0.03 and
-4 ranks 0.03-0.07 with scaling, 0.06 and 0.14-0.17 without (and always behind).  Started with plain python,
+The comparison: a W-rank run is compared with 1 process (lr, batch b) at equal samples seen.  Both curves
+are smoothed with a moving mean over --smooth-samples samples; the largest and the mean gap after the first
+--compare-after samples are printed and written to metrics.json, and once the run dir holds the same
+comparison with the other lr (scaled, or --no-scale), the two are set side by side.  Measured with --quick
+(2 cores, seeds 0-2), largest gap: 2 ranks 0.02-0.03 and 4 ranks 0.03-0.07 with scaling, 0.06 and
+0.14-0.17 without (and always behind).  Started with plain python,
 the lesson first runs the 1-process reference when run_dir has none for these settings
 (run_dir/reference_ws1_*.csv); under torchrun or srun it says how to make one.  --quick here means 3 epochs
 of 12 800 samples: after 1 epoch 4 ranks have taken only 50 steps, still the first steps.
+The curves, the reference and the comparison are kept by course/curves.py.
+Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import argparse
-import bisect
-import csv
 import sys
 import time
 from datetime import timedelta
@@ -39,20 +41,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli
+from course import cli, curves
 from course.evaluate import evaluate
 from course.launch import backend_for, detect_launcher, launch, setup_device
 from course.models import build_model
-from course.output import plot_curves, rank_print, save_weights, write_csv, write_json
+from course.output import rank_print, save_weights, write_json
 from course.profiling import add_profile_args, maybe_profile
 from data_tools.datasets import InMemoryMNIST, batches, require
 
-# The largest gap between the smoothed curves that the course's tests accept for 2 and 4 ranks with the
-# scaled lr (--quick, defaults).  Measured on 2 cores, seeds 0-2: 0.019-0.029 (2 ranks), 0.031-0.068 (4 ranks);
-# without scaling 0.057-0.064 (2 ranks), 0.135-0.165 (4 ranks).  See tests/test_lesson8_lr.py.
-BOUND = 0.10
 QUICK_EPOCHS = 3  # --quick: 3 epochs of the 12 800 samples
 
 
@@ -60,7 +59,7 @@ def worker(info, args):
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout))  # DIST: join the process group
     require(args.dataset, args.data_dir)
     train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
     test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
@@ -77,12 +76,17 @@ def worker(info, args):
         warmup = f", warmed up from {args.lr:g} over {args.warmup_steps} steps" if args.warmup_steps else ""
         rank_print(rank, f"global batch {world_size} x {args.batch_size}: lr {lr:g} ({rule}){warmup}")
 
+    # DDP: rank r gets every W-th index of the epoch's shuffled order; padded so all shards are equal
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    if args.loader == "dataloader":  # the loop to write for your own dataset
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    else:  # the same batches, each gathered from the in-memory tensors at once (data_tools/datasets.py)
+        loader = batches(train_set, sampler, args.batch_size)
     prof = maybe_profile(args, rank, device)  # --profile: lesson 5's traces and TensorBoard scalars
     losses, seen, lrs, step, start = [], [], [], 0, time.perf_counter()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
-        for x, y in batches(train_set, sampler, args.batch_size):
+        for x, y in loader:
             if args.warmup_steps:  # from the 1-process lr to the scaled one, a little more each step
                 optimizer.param_groups[0]["lr"] = args.lr + (lr - args.lr) * min(1.0, step / args.warmup_steps)
             lrs.append(optimizer.param_groups[0]["lr"])
@@ -109,16 +113,13 @@ def worker(info, args):
     rank_print(rank, f"{step} steps on {len(sampler)} samples per epoch in {seconds:.1f} s")
 
     losses = torch.stack(losses)
-    dist.all_reduce(losses)  # DDP: the loss of each global batch, averaged over ranks (one call at the end)
+    dist.all_reduce(losses)  # DIST: the loss of each global batch, averaged over ranks (one call at the end)
     losses = (losses / world_size).tolist()
-    if rank == 0:
+    if rank == 0:  # DIST: one process writes the outputs
         global_batch = world_size * args.batch_size
         run = args.run_dir
         curve = list(zip(seen, losses))
-        reference_file = reference_path(args)
-        if world_size == 1:
-            save_reference(reference_file, curve)
-        comparison = compare(curve, reference_file, world_size, args)
+        comparison = curves.compare(curve, world_size, lr, args)  # this curve against 1 process's, at equal seen
         write_json(run / "metrics.json", {
             "lesson": "8_mnist_ddp_pt_lr", "dataset": args.dataset, "model": args.model,
             "world_size": world_size, "backend": dist.get_backend(), "batch_size": args.batch_size,
@@ -126,155 +127,37 @@ def worker(info, args):
             "warmup_steps": args.warmup_steps, "epochs": args.epochs, "steps": step, "samples_seen": seen[-1],
             "train_seconds": seconds, "samples_per_second": seen[-1] / seconds, "test_accuracy": accuracy,
             "test_loss": test_loss, "loss_per_step": losses, "samples_seen_per_step": seen, "lr_per_step": lrs,
-            "reference": str(reference_file) if comparison else None, "deviation": comparison})
+            "reference": str(curves.reference_path(args)) if comparison else None, "deviation": comparison})
         save_weights(run / "model.pt", model)
-        curves = {f"{world_size} ranks x batch {args.batch_size}, lr {lr:g}": smooth(curve, args.smooth_samples)}
-        if comparison and world_size > 1:
-            curves = {f"1 process x batch {args.batch_size}, lr {args.lr:g}":
-                      smooth(load_curve(reference_file), args.smooth_samples), **curves}
-        plot_curves(run / "loss.png", {label: tuple(zip(*points)) for label, points in curves.items()},
-                    "samples seen (all ranks)", f"training loss, moving mean over {args.smooth_samples} samples",
-                    f"{args.model}: {world_size} ranks against 1 process, compared after {args.compare_after}")
+        curves.plot(run / "loss.png", curve, world_size, lr, comparison is not None and world_size > 1, args)
         print(f"{world_size} ranks x batch {args.batch_size} = global batch {global_batch}, lr {lr:g}; test "
               f"accuracy {accuracy:.4f}; outputs in {run}", flush=True)
     dist.destroy_process_group()
-
-
-# ------------------------------------------------------------- the 1-process reference and the comparison
-
-def reference_path(args) -> Path:
-    """One reference per setting that changes the 1-process curve (not the world size, nor --no-scale)."""
-    return args.run_dir / (f"reference_ws1_{args.dataset}_{args.model}_b{args.batch_size}_lr{args.lr:g}"
-                           f"_seed{args.seed}_n{args.train_samples or 'all'}.csv")
-
-
-def load_curve(path: Path) -> list:
-    with open(path, newline="") as f:
-        return [(int(r["samples_seen"]), float(r["loss"])) for r in csv.DictReader(f)]
-
-
-def save_reference(path: Path, curve: list) -> None:
-    """Keep the longest 1-process curve: a shorter run of the same settings is a prefix of it."""
-    if path.exists() and load_curve(path)[-1][0] >= curve[-1][0]:
-        return
-    write_csv(path, [{"samples_seen": s, "loss": f"{loss:.6f}"} for s, loss in curve])
-
-
-def samples_needed(args, world_size: int) -> int:
-    per_epoch = args.train_samples or 60_000
-    total = args.epochs * per_epoch
-    return min(total, args.max_steps * world_size * args.batch_size) if args.max_steps else total
-
-
-def moving_mean(curve: list, at: list, window: float) -> list:
-    """For each x in `at`: the mean loss of `curve`'s points with samples seen in (x - window, x]."""
-    xs, sums = [x for x, _ in curve], [0.0]
-    for _, loss in curve:
-        sums.append(sums[-1] + loss)
-    means = []
-    for x in at:
-        lo, hi = bisect.bisect_right(xs, x - window), bisect.bisect_right(xs, x)
-        means.append((sums[hi] - sums[lo]) / (hi - lo) if hi > lo else float("nan"))
-    return means
-
-
-def smooth(curve: list, window: float) -> list:
-    """(samples seen, moving mean of the loss over the last `window` samples), from the first full window
-    (the curve itself when it is shorter than one window)."""
-    at = [x for x, _ in curve if x >= window]
-    return list(zip(at, moving_mean(curve, at, window))) if at else curve
-
-
-def deviation(curve: list, reference: list, window: float, after: float):
-    """The gap between the smoothed curves at `curve`'s points after `after` samples (and within the
-    reference): max and mean |gap|, and the mean gap (> 0: `curve` is higher, behind the reference)."""
-    at = [x for x, _ in curve if max(after, window) <= x <= reference[-1][0]]
-    if not at:
-        return None
-    gaps = [(x, mine - ref) for x, mine, ref in
-            zip(at, moving_mean(curve, at, window), moving_mean(reference, at, window))]
-    worst = max(gaps, key=lambda g: abs(g[1]))
-    return {"max_abs": round(abs(worst[1]), 5), "at_samples": worst[0],
-            "mean_abs": round(sum(abs(g) for _, g in gaps) / len(gaps), 5),
-            "mean": round(sum(g for _, g in gaps) / len(gaps), 5), "points": len(gaps),
-            "window_samples": window, "after_samples": after, "bound": BOUND}
-
-
-def compare(curve: list, reference_file: Path, world_size: int, args):
-    """Print how far this run's smoothed loss is from the 1-process curve; None without a reference."""
-    if world_size == 1:
-        print(f"1 process: this run is the reference, saved as {reference_file}", flush=True)
-        return None
-    if not reference_file.exists():
-        print(f"no 1-process reference for these settings in {args.run_dir}: make it with\n"
-              f"  python day1/8_mnist_ddp_pt_lr.py --nproc 1 {reference_flags(args)}\n"
-              f"and run this again (started with plain python, the lesson makes it itself)", flush=True)
-        return None
-    reference = load_curve(reference_file)
-    if reference[-1][0] < curve[-1][0]:
-        print(f"the reference covers the first {reference[-1][0]} of this run's {curve[-1][0]} samples; "
-              f"comparing those", flush=True)
-    result = deviation(curve, reference, args.smooth_samples, args.compare_after)
-    if result is None:
-        print(f"too few samples to compare after {args.compare_after} (--compare-after, --smooth-samples)")
-        return None
-    side = "behind (higher)" if result["mean"] > 0 else "ahead of (lower than)"
-    print(f"against 1 process at equal samples seen (moving mean over {args.smooth_samples} samples, after the "
-          f"first {args.compare_after}): max |gap| {result['max_abs']:.4f} at {result['at_samples']} samples, "
-          f"mean |gap| {result['mean_abs']:.4f}; on average {abs(result['mean']):.4f} {side} the reference",
-          flush=True)
-    verdict = "within" if result["max_abs"] <= BOUND else "outside"
-    print(f"{verdict} the bound of {BOUND} that the course's tests hold 2 and 4 ranks with the scaled lr to "
-          f"(--quick)" + ("; without scaling the curve lags: compare with the scaled run" if args.no_scale else ""),
-          flush=True)
-    return result
-
-
-def reference_flags(args) -> str:
-    flags = [f"--dataset {args.dataset}", f"--model {args.model}", f"--batch-size {args.batch_size}",
-             f"--lr {args.lr:g}", f"--seed {args.seed}", f"--epochs {args.epochs}", f"--run-dir {args.run_dir}"]
-    if args.train_samples:
-        flags.append(f"--train-samples {args.train_samples}")
-    return " ".join(flags)
 
 
 def run(args):
     if args.quick:  # 1 epoch is mostly the first steps, where every world size lags: see the docstring
         args.epochs = QUICK_EPOCHS
     require(args.dataset, args.data_dir)
-    if detect_launcher() == "self" and args.nproc > 1:
-        reference_file = reference_path(args)
-        needed = samples_needed(args, args.nproc)
-        if not reference_file.exists() or load_curve(reference_file)[-1][0] < needed:
-            print(f"no 1-process reference covering {needed} samples in {args.run_dir}: running it first "
-                  f"(1 rank, lr {args.lr:g}, batch {args.batch_size})", flush=True)
-            reference_args = argparse.Namespace(**vars(args))
-            if args.max_steps:  # the same samples in world-size times more steps of the per-rank batch
-                reference_args.max_steps = args.max_steps * args.nproc
-            launch(worker, reference_args, nproc=1)
+    if detect_launcher() == "self" and args.nproc > 1 and not curves.has_reference(args, args.nproc):
+        print(f"no 1-process reference covering {curves.samples_needed(args, args.nproc)} samples in "
+              f"{args.run_dir}: running it first (1 rank, lr {args.lr:g}, batch {args.batch_size})", flush=True)
+        reference_args = argparse.Namespace(**vars(args))
+        if args.max_steps:  # the same samples in world-size times more steps of the per-rank batch
+            reference_args.max_steps = args.max_steps * args.nproc
+        launch(worker, reference_args, nproc=1)
     launch(worker, args)
 
 
-def count(text: str) -> int:
-    """A whole number of steps or samples, 0 allowed (0 steps of warmup: none)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
-    return value
-
-
 def build_parser():
-    p = cli.add_distributed(cli.parser(__doc__, "day1/8_mnist_ddp_pt_lr.py", nproc_default=2))
+    p = cli.add_loader(cli.add_distributed(cli.parser(__doc__, "day1/8_mnist_ddp_pt_lr.py", nproc_default=2)))
     p.add_argument("--no-scale", action="store_true",
                    help="keep the base lr whatever the world size (to see the curve lag behind)")
-    p.add_argument("--warmup-steps", type=count, default=0,
+    p.add_argument("--warmup-steps", type=cli.non_negative_int, default=0,
                    help="ramp the lr linearly from the base lr to the scaled lr over this many steps")
     p.add_argument("--smooth-samples", type=cli.positive_int, default=2560,
                    help="window of the moving mean of the loss, in samples seen")
-    p.add_argument("--compare-after", type=count, default=12_800,
+    p.add_argument("--compare-after", type=cli.non_negative_int, default=12_800,
                    help="compare the curves only after this many samples (the first steps move fastest)")
     p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0,
                    help="DDP's gradient bucket size in MB (the MLP's gradients are 0.4 MB: one bucket)")
