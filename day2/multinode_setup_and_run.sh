@@ -2,33 +2,47 @@
 # Run a day-2 lesson on every node of the current Slurm allocation.
 #
 #   salloc --nodes 2 --ntasks-per-node=4 --time=00:30:00        # get an allocation (a shell on the login node)
-#   ./day2/multinode_setup_and_run.sh 10_mnist_ddp_pt_multinode.py --quick
-#   ./day2/multinode_setup_and_run.sh --launcher torchrun 9_torch_dist_multi_node.py
-#   sbatch --nodes 2 --ntasks-per-node=4 day2/multinode_setup_and_run.sh 9_torch_dist_multi_node.py
+#   ./day2/multinode_setup_and_run.sh --site mycluster 10_mnist_ddp_pt_multinode.py --quick
+#   ./day2/multinode_setup_and_run.sh --site mycluster --launcher torchrun 9_torch_dist_multi_node.py
+#   sbatch --nodes 2 --ntasks-per-node=4 day2/multinode_setup_and_run.sh --site mycluster 9_torch_dist_multi_node.py
 #
-# The lesson is a name in day2/ or a path. Everything after it goes to the lesson.
-# It sets up what every rank needs to find the others, then starts the ranks:
-#   MASTER_ADDR  the first host of the allocation (`scontrol show hostnames`): rank 0 runs there
-#   MASTER_PORT  derived from the job id (two jobs on one node get different ports), checked free there
+# Options come before the lesson (a name in day2/ or a path); everything after the lesson goes to the lesson.
+#   --site NAME|PATH     the site profile, the same one slurm/submit.sh takes: a name in slurm/sites/ or a path
+#                        to a .env file; default: $COURSE_SITE (`export COURSE_SITE=mycluster` once per shell).
+#                        Its site_setup (modules, environment, NCCL/gloo interface, the venv) runs here, before
+#                        any rank starts, and srun passes the environment on to every rank. No profile: no site
+#                        set-up, python from the repository's .venv. A profile that is missing or whose
+#                        site_setup fails stops the script before any rank starts. Started by a launcher in
+#                        slurm/, it finds the launcher's set-up done and does not run site_setup again.
 #   --launcher srun      (default) one Slurm task per rank, as many as the allocation has tasks; the lesson
 #                        reads SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS/SLURM_NODEID (lesson 9)
 #   --launcher torchrun  one torchrun agent per node, each starting the node's ranks (c10d rendezvous at
 #                        MASTER_ADDR:MASTER_PORT); the lesson reads RANK/LOCAL_RANK/WORLD_SIZE
+# It sets up what every rank needs to find the others, then starts the ranks:
+#   MASTER_ADDR  the first host of the allocation (`scontrol show hostnames`): rank 0 runs there
+#   MASTER_PORT  derived from the job id (two jobs on one node get different ports), checked free there
 # srun --kill-on-bad-exit=1: if one rank dies, the others are stopped instead of waiting for it forever.
-# Environment: LAUNCHER (same as --launcher), PYTHON (default: the repository's .venv, else python3 on PATH),
-# MASTER_PORT (skip the derived one), NPROC_PER_NODE (torchrun: ranks per node, default: tasks per node).
+# The profile's sbatch options (account, partition, GPUs) are not applied here: give them to salloc/sbatch
+# (`slurm/submit.sh 9 --site mycluster --dry-run` prints them).
+# Environment: COURSE_SITE (same as --site), LAUNCHER (same as --launcher), PYTHON (default: python3 on PATH
+# after the site set-up; without a profile the repository's .venv), MASTER_PORT (skip the derived one),
+# NPROC_PER_NODE (torchrun: ranks per node, default: tasks per node).
 set -euo pipefail
 
 usage() {
-    echo "usage: $0 [--launcher srun|torchrun] LESSON [lesson args...]   (LESSON: a file in day2/ or a path)"
+    echo "usage: $0 [--site NAME|PATH] [--launcher srun|torchrun] LESSON [lesson args...]" \
+         "(LESSON: a file in day2/ or a path; NAME: a profile in slurm/sites/; default \$COURSE_SITE)"
 }
 
-LAUNCHER="${LAUNCHER:-srun}"
+ALL_ARGS=("$@")
+LAUNCHER="${LAUNCHER:-srun}" SITE=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        --launcher) [[ $# -ge 2 ]] || { usage >&2; exit 2; }; LAUNCHER="$2"; shift 2 ;;
+        --launcher|--site) [[ $# -ge 2 && -n "$2" ]] || { echo "error: $1 needs a value" >&2; usage >&2; exit 2; }
+                           if [[ "$1" == --site ]]; then SITE="$2"; else LAUNCHER="$2"; fi; shift 2 ;;
         --launcher=*) LAUNCHER="${1#*=}"; shift ;;
-        -h|--help) usage; exit 0 ;;
+        --site=*) SITE="${1#*=}"; [[ -n "$SITE" ]] || { echo "error: --site needs a value" >&2; exit 2; }; shift ;;
+        -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) break ;;
     esac
 done
@@ -42,9 +56,9 @@ if [[ -z "${SLURM_JOB_ID:-}" ]]; then
     cat >&2 <<EOF
 error: not inside a Slurm allocation (SLURM_JOB_ID is not set). Get one first, then run this script in it:
   salloc --nodes 2 --ntasks-per-node=4 --time=00:30:00   # + --partition/--account/--gpus-per-node at your site
-  $0 $*
+  $0 ${ALL_ARGS[*]}
 or submit it as a batch job:
-  sbatch --nodes 2 --ntasks-per-node=4 --time=00:30:00 $0 $*
+  sbatch --nodes 2 --ntasks-per-node=4 --time=00:30:00 $0 ${ALL_ARGS[*]}
 EOF
     exit 1
 fi
@@ -56,6 +70,10 @@ if [[ ! -f "$HERE/9_torch_dist_multi_node.py" ]]; then
     HERE="$(cd "$(dirname "${ORIGINAL:-.}")" && pwd)"
 fi
 REPO="$(dirname "$HERE")"
+COURSE_REPO="$REPO"
+# shellcheck source=../slurm/lib/site.sh
+source "$REPO/slurm/lib/site.sh"
+course_site_resolve "$SITE"  # a missing profile stops here, in one line
 
 LESSON="$1"; shift
 if [[ "$LESSON" != */* && -f "$HERE/$LESSON" ]]; then
@@ -68,21 +86,15 @@ else
     exit 2
 fi
 
-if [[ -z "${PYTHON:-}" ]]; then
-    if [[ -x "$REPO/.venv/bin/python" ]]; then
-        PYTHON="$REPO/.venv/bin/python"
-    else
-        PYTHON="$(command -v python3 || command -v python)"
-    fi
-fi
-
-# ---- site-specific setup: the one place to adapt to your cluster ------------------------------------------
-# module load python cuda nccl            # or: source /path/to/venv/bin/activate
-# export NCCL_SOCKET_IFNAME=ib0           # the interface NCCL bootstraps on (see `ip addr`; often ib0/hsn0)
-# export GLOO_SOCKET_IFNAME=ib0           # the same for gloo (CPU runs), if hostnames resolve to 127.0.0.1
-# export NCCL_DEBUG=INFO                  # NCCL prints which transport (IB, sockets) it picked
-# export HDF5_USE_FILE_LOCKING=FALSE      # HDF5 on Lustre/GPFS (lesson 11 reads without locks anyway)
-# ------------------------------------------------------------------------------------------------------------
+# The site set-up (slurm/lib/site.sh, as for slurm/submit.sh's jobs): the profile's site_setup runs in this
+# shell; srun starts every rank with this shell's environment.  Then PYTHON is the python it provides.
+course_site_setup
+case "$COURSE_SITE_STATUS" in
+    "set up")
+        echo "multinode: site profile $COURSE_SITE_FILE: site_setup done${SITE_DESCRIPTION:+ ($SITE_DESCRIPTION)}" ;;
+    "set up by the caller") echo "multinode: site profile ${COURSE_SITE_FILE:-none}: set up by the job script" ;;
+    *) echo "multinode: no site profile (--site NAME or COURSE_SITE=NAME loads one)" ;;
+esac
 
 NNODES="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}"
 NTASKS="${SLURM_NTASKS:-$NNODES}"

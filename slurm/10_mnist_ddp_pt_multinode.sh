@@ -24,5 +24,6 @@ source "$COURSE_REPO/slurm/lib/job.sh" ||
 job_start "$@"
 
 # multinode_setup_and_run.sh finds rank 0's address and a free port, then starts one task per rank with
-# srun --kill-on-bad-exit=1 (or, with LAUNCHER=torchrun in the environment, one torchrun per node).
+# srun --kill-on-bad-exit=1 (or, with LAUNCHER=torchrun in the environment, one torchrun per node). It keeps
+# the site set-up job_start did (no second site_setup).
 step "$COURSE_REPO/day2/multinode_setup_and_run.sh" 10_mnist_ddp_pt_multinode.py "$@"

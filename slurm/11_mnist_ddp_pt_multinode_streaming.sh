@@ -35,5 +35,6 @@ if [[ " $* " != *" --h5-file"* ]]; then
     step "$PYTHON" "$COURSE_REPO/data_tools/create_mnist_h5.py" "${h5_args[@]}"
 fi
 # multinode_setup_and_run.sh finds rank 0's address and a free port, then starts one task per rank with
-# srun --kill-on-bad-exit=1 (or, with LAUNCHER=torchrun in the environment, one torchrun per node).
+# srun --kill-on-bad-exit=1 (or, with LAUNCHER=torchrun in the environment, one torchrun per node). It keeps
+# the site set-up job_start did (no second site_setup).
 step "$COURSE_REPO/day2/multinode_setup_and_run.sh" 11_mnist_ddp_pt_multinode_streaming.py "$@"

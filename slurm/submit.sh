@@ -8,7 +8,9 @@
 #   slurm/submit.sh 9 --site palmetto --dry-run                  # print the sbatch command, submit nothing
 #
 # LESSON      a launcher in slurm/: its name (6_mnist_ddp_pt), its number (6), or its path
-# --site      a profile in slurm/sites/ (perlmutter, jsc, ...) or a path to one; default: $COURSE_SITE
+# --site      a profile in slurm/sites/ (perlmutter, jsc, ...) or a path to one; default: $COURSE_SITE.
+#             Its site_setup runs in the job, once, before the ranks (the same profile and set-up as
+#             `./day2/multinode_setup_and_run.sh --site NAME LESSON` inside an salloc allocation)
 # --nodes N               nodes (day-1 lessons: always 1; day-2 launchers: default 2)
 # --gpus-per-node G       GPUs per node, one rank each (default: SITE_GPUS_PER_NODE of the profile)
 # --ntasks-per-node T     ranks per node (default: G on GPU sites, SITE_TASKS_PER_NODE on CPU-only ones)

@@ -45,18 +45,31 @@ def check_lesson9(output, launcher):
     assert "  node 1 (node2): ranks 2(local 0) 3(local 1)" in output
 
 
+# Lesson 9 runs with a site profile (--site, a path; tests/slurm_fixture.py): its site_setup runs once, in the
+# allocation, and every rank on both nodes sees what it exported, with either launcher.
 @pytest.mark.parametrize("launcher", ["srun", "torchrun"])
-def test_lesson9_under_salloc(slurm_cluster, launcher):
-    check_lesson9(salloc(slurm_cluster, "--launcher", launcher, "9_torch_dist_multi_node.py"), launcher)
+def test_lesson9_under_salloc(slurm_cluster, site_probe, launcher):
+    output = salloc(slurm_cluster, "--site", site_probe.path, "--launcher", launcher, "9_torch_dist_multi_node.py")
+    check_lesson9(output, launcher)
+    site_probe.check(output)
+    assert f"multinode: site profile {site_probe.path}: site_setup done (site probe)" in output
 
 
 @pytest.mark.parametrize("launcher", ["srun", "torchrun"])
-def test_lesson9_under_sbatch(slurm_cluster, launcher):
-    # sbatch runs a copy of the script from Slurm's spool directory: it must still find day2/ and the venv
+def test_lesson9_under_sbatch(slurm_cluster, site_probe, launcher):
+    # sbatch runs a copy of the script from Slurm's spool directory: it must still find day2/ and the venv.
+    # The profile as an option of the script, or (torchrun) from COURSE_SITE in the submitting shell's
+    # environment, as after `export COURSE_SITE=...`
+    if launcher == "srun":
+        site_option, site_args = [], ("--site", str(site_probe.path))
+    else:
+        site_option, site_args = [f"--export=ALL,COURSE_SITE={site_probe.path}"], ()
     job, code, output = slurm_cluster.sbatch_wait(
-        SCRIPT, *TWO_BY_TWO, script_args=("--launcher", launcher, "9_torch_dist_multi_node.py"), timeout=300)
+        SCRIPT, *TWO_BY_TWO, *site_option,
+        script_args=(*site_args, "--launcher", launcher, "9_torch_dist_multi_node.py"), timeout=300)
     assert code == 0, output
     check_lesson9(output, launcher)
+    site_probe.check(output)
 
 
 HOLD_PORT = """

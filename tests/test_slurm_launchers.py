@@ -212,6 +212,43 @@ def test_wrong_site_value_is_one_clear_line_and_nothing_is_submitted(fake_sbatch
     assert not (tmp_path / "logs").exists()
 
 
+BAD_PROFILES = {
+    # name: (--site value or None for COURSE_SITE, the profile's text or None, words the one line must contain)
+    "missing name": ("nosuchsite", None, ["--site nosuchsite: no site profile 'nosuchsite'", "cpu-only"]),
+    "missing path": ("{tmp}/gone.env", None, ["--site {tmp}/gone.env: no such file"]),
+    "missing COURSE_SITE": (None, None, ["COURSE_SITE=nosuchsite: no site profile 'nosuchsite'"]),
+    "site_setup fails": ("{tmp}/broken.env", "site_setup() {\n    export A=1\n    false\n    echo unreachable\n}\n",
+                         ["site_setup of {tmp}/broken.env failed: `false` exited with 1", "No rank was started"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_PROFILES)
+def test_multinode_script_stops_on_a_bad_profile_before_any_rank(case, tmp_path):
+    """day2/multinode_setup_and_run.sh inside an allocation (faked: SLURM_JOB_ID, and an srun/scontrol that
+    record their calls) with a profile that is missing or whose site_setup fails: one line, exit 1, no srun."""
+    site, text, words = BAD_PROFILES[case]
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).write_text(f'#!/bin/bash\necho "{tool} $*" >> {calls}\necho node1\n')
+        (bin_dir / tool).chmod(0o755)
+    if text:
+        (tmp_path / "broken.env").write_text(text)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "node1", "COURSE_SITE": "nosuchsite"}
+    site_args = ["--site", site.format(tmp=tmp_path)] if site else []
+    done = subprocess.run(["bash", str(REPO / "day2/multinode_setup_and_run.sh"), *site_args,
+                           "9_torch_dist_multi_node.py"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    for word in words:
+        assert word.format(tmp=tmp_path) in lines[0], (word, lines[0])
+    assert "unreachable" not in done.stdout and "multinode: job" not in done.stdout
+    assert not calls.exists(), calls.read_text()
+
+
 # ------------------------------------------------------------------------------------------ sbatch --test-only
 
 @pytest.fixture(scope="module")
@@ -391,7 +428,7 @@ def check_create_mnist_h5(log, work):
 
 
 @pytest.fixture(scope="module")
-def jobs(slurm_cluster, dataset, tmp_path_factory):
+def jobs(slurm_cluster, dataset, site_probe, tmp_path_factory):
     """Every launcher submitted through submit.sh with the CPU-only profile, all at once; waits for all.
 
     The jobs run in their own working directory (logs/, runs/, log_ddp/ land there) with a data dir
@@ -414,6 +451,12 @@ def jobs(slurm_cluster, dataset, tmp_path_factory):
         assert done.returncode == 0, done.stdout + done.stderr
         job_id = int(re.search(r"^Submitted batch job (\d+)$", done.stdout, flags=re.M).group(1))
         submitted[launcher.stem] = (job_id, shown.stdout.strip(), done.stdout)
+    # Lesson 9 once more, with a site profile given by path whose site_setup exports a token
+    # (tests/slurm_fixture.py): the job script sets the site up, multinode_setup_and_run.sh keeps it.
+    done = submit("9", "--site", site_probe.path, env=env, cwd=work)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job_id = int(re.search(r"^Submitted batch job (\d+)$", done.stdout, flags=re.M).group(1))
+    submitted["site probe"] = (job_id, "", "")
     # The same launcher with a plain sbatch, as its header shows: without a profile (COURSE_REPO given
     # instead of submitting from the repository root), and from a directory that is no course.
     elsewhere = work / "elsewhere"
@@ -479,6 +522,20 @@ def test_plain_sbatch_runs_a_launcher_without_a_profile(jobs):
     if (REPO / ".venv" / "bin" / "activate").exists():  # no profile: the course's own venv
         assert f"python             {REPO}/.venv/bin/python" in log
     assert sorted(re.findall(r"\[rank (\d)\] all_reduce\(SUM\) = 3, mean = 1.5", log)) == ["0", "1"]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_site_profile_given_to_submit_reaches_every_rank_once(jobs, site_probe):
+    work, submitted, results = jobs
+    job_id = submitted["site probe"][0]
+    log = (work / "logs" / f"9_torch_dist_multi_node-{job_id}.out").read_text()
+    assert results["site probe"]["ExitCode"] == "0:0", log
+    check_9_torch_dist_multi_node(log, work)
+    assert f"site profile       {site_probe.path}" in log
+    # site_setup ran once, in the job script; every rank on both nodes saw its export
+    site_probe.check(log)
+    assert f"multinode: site profile {site_probe.path}: set up by the job script" in log
 
 
 @pytest.mark.slurm

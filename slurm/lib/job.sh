@@ -8,8 +8,9 @@
 # The end time and the exit code are printed when the script ends, whatever ends it.
 #
 # The site profile comes from COURSE_SITE_ENV (a path; slurm/submit.sh exports it) or COURSE_SITE (a name in
-# slurm/sites/).  Without either (a plain `sbatch slurm/X.sh`) no profile is loaded: python comes from the
-# repository's .venv if there is one, else from PATH.
+# slurm/sites/ or a path); its site_setup runs here, once per job (slurm/lib/site.sh).  Without either (a
+# plain `sbatch slurm/X.sh`) no profile is loaded: python comes from the repository's .venv if there is one,
+# else from PATH.
 
 # shellcheck source=site.sh
 source "$COURSE_REPO/slurm/lib/site.sh"
@@ -38,39 +39,10 @@ job_start() {
     trap _job_end EXIT
     echo "==== ${SLURM_JOB_NAME:-job} ${SLURM_JOB_ID:-}: started $(date '+%F %T %Z') on $(hostname)"
 
-    local site_file="${COURSE_SITE_ENV:-}"
-    if [[ -z "$site_file" && -n "${COURSE_SITE:-}" ]]; then
-        site_file="$(course_site_file "$COURSE_SITE")" || {
-            echo "error: COURSE_SITE=$COURSE_SITE: no such profile; the profiles are: $(course_site_names)" >&2
-            exit 1
-        }
-    fi
-    if [[ -n "$site_file" ]]; then
-        if [[ ! -f "$site_file" ]]; then
-            echo "error: the site profile $site_file is gone (submitted with COURSE_SITE_ENV=$site_file)" >&2
-            exit 1
-        fi
-        course_load_site "$site_file"
-        if declare -F site_setup >/dev/null; then
-            # Module and activation scripts often use unset variables: not under set -u.
-            set +u
-            site_setup
-            set -u
-        fi
-    elif [[ -f "$COURSE_REPO/.venv/bin/activate" ]]; then
-        set +u
-        # shellcheck source=/dev/null
-        source "$COURSE_REPO/.venv/bin/activate"
-        set -u
-    fi
-
-    PYTHON="${PYTHON:-$(command -v python3 || command -v python || true)}"
-    if [[ -z "$PYTHON" ]]; then
-        echo "error: no python3 on PATH after the site setup; load a module or activate an environment in" \
-             "site_setup of ${site_file:-your site profile}" >&2
-        exit 1
-    fi
-    export PYTHON
+    # The site set-up of every path (slurm/lib/site.sh); multinode_setup_and_run.sh, started below in the
+    # same job, finds it done (COURSE_SITE_READY) and does not run it again.
+    course_site_resolve ""
+    course_site_setup
     # Each rank gets the cores of its task: as many threads, no more (the node may have many more cores).
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"
     # Since Slurm 22.05 srun no longer inherits --cpus-per-task from the batch job: pass it on.
@@ -79,7 +51,7 @@ job_start() {
     fi
 
     echo "settings:"
-    _job_setting "site profile" "${site_file:-none (plain sbatch: add --partition/--account/GPUs yourself)}"
+    _job_setting "site profile" "${COURSE_SITE_FILE:-none (plain sbatch: add --partition/--account/GPUs yourself)}"
     _job_setting "site" "${SITE_DESCRIPTION:-}"
     _job_setting "repository" "$COURSE_REPO"
     _job_setting "working dir" "$PWD"

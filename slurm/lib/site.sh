@@ -1,4 +1,6 @@
-# Site profiles: where they are, how they are read.  Sourced by slurm/submit.sh and slurm/lib/job.sh.
+# Site profiles: where they are, how they are read, how a site is set up.  Sourced by slurm/submit.sh (the
+# sbatch options), slurm/lib/job.sh (every launcher, inside the job) and day2/multinode_setup_and_run.sh
+# (inside an salloc or sbatch allocation): one implementation for every path.  Needs COURSE_REPO.
 #
 # A profile (slurm/sites/NAME.env) is a bash file of SITE_* settings and an optional site_setup function.
 # Any SITE_* variable already set in the environment wins over the profile, so a value can be given without
@@ -60,4 +62,95 @@ course_load_site() {
             COURSE_SITE_FROM_ENV+="${COURSE_SITE_FROM_ENV:+ }$var"
         fi
     done
+}
+
+# Which profile: $1 (--site: a name in slurm/sites/ or a path), else COURSE_SITE_ENV (a path: what submit.sh
+# hands to the job), else COURSE_SITE (a name or a path).  Sets COURSE_SITE_FILE to the profile's absolute
+# path, or to "" when none is given (then there is no site set-up).  A profile that does not exist: one line
+# on stderr and exit 1.
+course_site_resolve() {
+    local site="${1:-}" origin="--site ${1:-}"
+    COURSE_SITE_FILE=""
+    if [[ -z "$site" && -n "${COURSE_SITE_ENV:-}" ]]; then
+        [[ -f "$COURSE_SITE_ENV" ]] || {
+            echo "error: the site profile $COURSE_SITE_ENV is gone" \
+                 "(submitted with COURSE_SITE_ENV=$COURSE_SITE_ENV)" >&2
+            exit 1
+        }
+        site="$COURSE_SITE_ENV" origin="COURSE_SITE_ENV=$COURSE_SITE_ENV"
+    elif [[ -z "$site" && -n "${COURSE_SITE:-}" ]]; then
+        site="$COURSE_SITE" origin="COURSE_SITE=$COURSE_SITE"
+    fi
+    [[ -n "$site" ]] || return 0
+    COURSE_SITE_FILE="$(course_site_file "$site")" || {
+        if [[ "$site" == */* || "$site" == *.env ]]; then
+            echo "error: $origin: no such file; give a profile's path or a name in $(course_sites_dir):" \
+                 "$(course_site_names)" >&2
+        else
+            echo "error: $origin: no site profile '$site' (no $(course_sites_dir)/$site.env); the profiles are:" \
+                 "$(course_site_names) (or give a path to a .env file)" >&2
+        fi
+        exit 1
+    }
+}
+
+# Sets up the site of COURSE_SITE_FILE (course_site_resolve) in this shell, for everything started from it:
+# loads the profile and runs its site_setup (modules, environment, NCCL/gloo interface, a venv); srun passes
+# the exported environment on to every rank.  Without a profile: the repository's .venv if there is one.
+# Then exports PYTHON (as given, else python3 on PATH).
+# Once per job: it exports COURSE_SITE_READY=<job id>:<profile or none>, and a script started from here in
+# the same job (a launcher's multinode_setup_and_run.sh) that asks for no profile, or for the same one,
+# keeps what it inherited.  Sets COURSE_SITE_STATUS: "set up", "set up by the caller" or "none".
+# A site_setup that fails (any command in it, as under set -e): one line on stderr and exit 1.
+course_site_setup() {
+    local ready="${SLURM_JOB_ID:-}:${COURSE_SITE_FILE:-none}" saved_trap saved_options="$-"
+    if [[ -n "${COURSE_SITE_READY:-}" && "${COURSE_SITE_READY%%:*}" == "${SLURM_JOB_ID:-}" ]] &&
+       [[ -z "$COURSE_SITE_FILE" || "$COURSE_SITE_READY" == "$ready" ]]; then
+        COURSE_SITE_FILE="${COURSE_SITE_READY#*:}"
+        [[ "$COURSE_SITE_FILE" != none ]] || COURSE_SITE_FILE=""
+        COURSE_SITE_STATUS="set up by the caller"
+    elif [[ -n "$COURSE_SITE_FILE" ]]; then
+        # Module and activation scripts often use unset variables: not under set -u.
+        set +u
+        course_load_site "$COURSE_SITE_FILE"
+        if declare -F site_setup >/dev/null; then
+            # Any failing command in site_setup stops here, with the command and the profile named.
+            saved_trap="$(trap -p ERR)"
+            set -E
+            trap '_course_site_setup_failed $? "$BASH_COMMAND"' ERR
+            site_setup
+            trap - ERR
+            eval "$saved_trap"
+            [[ "$saved_options" == *E* ]] || set +E
+        fi
+        [[ "$saved_options" != *u* ]] || set -u
+        COURSE_SITE_STATUS="set up"
+        export COURSE_SITE_READY="$ready"
+    else
+        if [[ -f "$COURSE_REPO/.venv/bin/activate" ]]; then
+            set +u
+            # shellcheck source=/dev/null
+            source "$COURSE_REPO/.venv/bin/activate"
+            [[ "$saved_options" != *u* ]] || set -u
+        fi
+        COURSE_SITE_STATUS="none"
+        export COURSE_SITE_READY="$ready"
+    fi
+
+    PYTHON="${PYTHON:-$(command -v python3 || command -v python || true)}"
+    if [[ -z "$PYTHON" ]]; then
+        echo "error: no python3 on PATH after the site setup; load a module or activate an environment in" \
+             "site_setup of ${COURSE_SITE_FILE:-your site profile (--site NAME)}, or export PYTHON=/path/to/python" >&2
+        exit 1
+    fi
+    export PYTHON
+}
+
+_course_site_setup_failed() {
+    local status="$1" command="$2"
+    if ((BASH_SUBSHELL == 0)); then  # a failure in $(...) or (...) is reported once, by the shell around it
+        echo "error: site_setup of $COURSE_SITE_FILE failed: \`$command\` exited with $status; fix site_setup" \
+             "there (run its lines in a shell to see the cause). No rank was started." >&2
+    fi
+    exit 1
 }
