@@ -27,7 +27,7 @@ nb_execution_mode = "off"
 nb_merge_streams = True
 myst_enable_extensions = ["colon_fence", "dollarmath"]
 myst_heading_anchors = 3
-suppress_warnings = []
+smartquotes_action = "qe"  # typographic quotes, but "--flag" stays two hyphens (no en dash)
 
 html_theme = "sphinx_book_theme"
 html_title = "DDP on HPC clusters"
