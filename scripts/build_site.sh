@@ -16,6 +16,7 @@ if [ -e "$OUT" ] && [ -n "$(ls -A "$OUT")" ] && [ ! -e "$OUT/.buildinfo" ]; then
   echo "error: $OUT is not empty and holds no earlier site (no .buildinfo): give an empty or new directory" >&2
   exit 1
 fi
+"$PY" "$REPO/docs/_ext/course_site.py"  # the lesson catalog, checked first: one line on what is wrong
 # A fresh build in a directory beside the output (-E: every page read again), moved into place on success.
 NEW="$(mktemp -d "${TMPDIR:-/tmp}/course-site.XXXXXX")"
 trap 'rm -rf "$NEW"' EXIT

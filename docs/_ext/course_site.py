@@ -248,3 +248,12 @@ def setup(app):
     app.connect("doctree-read", on_doctree_read, priority=400)
     app.connect("build-finished", on_build_finished)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
+
+
+if __name__ == "__main__":  # scripts/build_site.sh: check the catalog first, one line on what is wrong
+    import sys
+
+    try:
+        load_catalog(Path(__file__).resolve().parents[2])
+    except ConfigError as err:
+        sys.exit(f"error: {err}")
