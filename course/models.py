@@ -35,3 +35,78 @@ def build_model(name: str, seed: int) -> nn.Module:
     """The same seed gives the same initial weights in every process."""
     torch.manual_seed(seed)
     return {"mlp": mlp, "cnn": CNN}[name]()
+
+
+# ------------------------------------------------------------------------------------------ day 3: a ViT
+
+class Block(nn.Module):
+    """One transformer block, pre-norm: x + attention(norm(x)), then x + MLP(norm(x)).  Day 3 checkpoints
+    and shards the model block by block, so a block is the unit that owns its parameters."""
+
+    def __init__(self, width: int, heads: int, mlp_ratio: int = 2):
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} must be a multiple of heads {heads}")
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, mlp_ratio * width), nn.GELU(), nn.Linear(mlp_ratio * width, width))
+
+    def forward(self, x):
+        b, t, w = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v)  # [b, heads, t, w / heads]
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, w))
+        return x + self.mlp(self.norm2(x))
+
+
+class ViT(nn.Module):
+    """A small Vision Transformer for 28x28 images: non-overlapping `patch` x `patch` patches become tokens
+    (7x7 patches: 16 tokens), each projected to `width` numbers, plus a learned position embedding; `depth`
+    blocks (in `self.blocks`, an nn.ModuleList) mix the tokens; the mean token is classified.
+    Default size (width 64, depth 4, 4 heads, patch 7): 138 890 parameters."""
+
+    def __init__(self, patch: int = 7, width: int = 64, depth: int = 4, heads: int = 4, classes: int = 10):
+        super().__init__()
+        if 28 % patch:
+            raise ValueError(f"patch {patch} must divide 28 (1, 2, 4, 7, 14 or 28)")
+        self.embed = nn.Conv2d(1, width, patch, stride=patch)  # each patch -> one token of `width` numbers
+        self.position = nn.Parameter(torch.randn(1, (28 // patch) ** 2, width) * 0.02)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        x = self.embed(x).flatten(2).transpose(1, 2) + self.position  # [B, tokens, width]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x).mean(1))
+
+
+def add_vit_args(p):
+    """Day 3's command line: --model also takes vit (its default there) and the ViT's size is four flags."""
+    from course.cli import positive_int
+
+    model = next(a for a in p._actions if a.dest == "model")
+    model.choices, model.default = (*model.choices, "vit"), "vit"
+    model.help = f"{model.help}; vit: a small Vision Transformer (course/models.py), sized by the flags below"
+    p.add_argument("--patch", type=int, default=7, choices=(1, 2, 4, 7, 14), help="ViT patch size (7: 16 tokens)")
+    p.add_argument("--width", type=positive_int, default=64, help="ViT token width (a multiple of --heads)")
+    p.add_argument("--depth", type=positive_int, default=4, help="ViT blocks")
+    p.add_argument("--heads", type=positive_int, default=4, help="ViT attention heads per block")
+    return p
+
+
+def model_from_args(args, seed: int) -> nn.Module:
+    """build_model for the lessons with add_vit_args: the same seed gives the same weights everywhere."""
+    if args.model != "vit":
+        return build_model(args.model, seed)
+    if args.width % args.heads:
+        from course.cli import CourseError
+
+        raise CourseError(f"--width {args.width} is not a multiple of --heads {args.heads}; choose a width "
+                          f"such as {args.heads * 16}")
+    torch.manual_seed(seed)
+    return ViT(args.patch, args.width, args.depth, args.heads)
