@@ -1,4 +1,7 @@
-"""Streaming the chunked HDF5 file (data_tools/h5layout.py) across ranks: lesson 11's sampler and datasets.
+"""Streaming the chunked HDF5 file (data_tools/h5layout.py) across ranks: the chunk datasets lesson 11 reads.
+
+Lesson 11 itself deals the chunks to the ranks (its ChunkShardSampler) and cuts them into batches (its
+rebatch); this module reads them: H5Chunks from the file, MemoryChunks from memory, H5TestSet whole.
 
 How an epoch is read, and why:
 1. The unit of work is one chunk, not one sample.  HDF5 reads (and decompresses) whole chunks, so reading
@@ -24,53 +27,31 @@ from data_tools.h5layout import H5LayoutError, read_layout
 
 # ----------------------------------------------------------------------------------------- order
 
-class ChunkShardSampler(torch.utils.data.Sampler):
-    """This rank's chunks for one epoch, as (chunk id, shuffle seed) tasks for a chunk dataset.
+def _lesson11():
+    """Lesson 11's module, loaded once (its file name starts with a digit, so it is loaded from its path)."""
+    import importlib.util
+    import sys
 
-    All chunks are permuted with seed + epoch (identical on every rank, like DistributedSampler) and rank r
-    takes every W-th one.  The shuffle seed of a chunk depends only on (seed, epoch, chunk), so the order of
-    samples is a pure function of the arguments: the same whichever rank or DataLoader worker reads it.
-    """
-
-    def __init__(self, num_samples: int, chunk_samples: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, shuffle: bool = True):
-        if num_samples < 1 or chunk_samples < 1:
-            raise ValueError("num_samples and chunk_samples must be positive")
-        self.num_samples, self.chunk_samples = num_samples, chunk_samples
-        self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
-        self.num_chunks = -(-num_samples // chunk_samples)
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def chunk_order(self) -> list:
-        """The epoch's order of all chunks (before they are dealt to ranks)."""
-        if not self.shuffle:
-            return list(range(self.num_chunks))
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.num_chunks, generator=g).tolist()
-
-    def my_chunks(self) -> list:
-        return self.chunk_order()[self.rank::self.world_size]
-
-    def chunk_size(self, chunk: int) -> int:
-        return min(self.chunk_samples, self.num_samples - chunk * self.chunk_samples)
-
-    def num_rank_samples(self) -> int:
-        """Samples this rank gets this epoch (ranks differ by up to one chunk)."""
-        return sum(self.chunk_size(c) for c in self.my_chunks())
-
-    def __iter__(self):
-        for chunk in self.my_chunks():
-            yield chunk, (_chunk_seed(self.seed, self.epoch, chunk) if self.shuffle else None)
-
-    def __len__(self):
-        return len(range(self.rank, self.num_chunks, self.world_size))
+    name = "lesson11_streaming"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "day2" / "11_mnist_ddp_pt_multinode_streaming.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
-def _chunk_seed(seed: int, epoch: int, chunk: int) -> int:
+def __getattr__(name):
+    """ChunkShardSampler and rebatch are lesson 11's idea and live in the lesson; they are offered here too,
+    for the benchmarks and tests that stream the file as the lesson does."""
+    if name in ("ChunkShardSampler", "rebatch"):
+        return getattr(_lesson11(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def chunk_seed(seed: int, epoch: int, chunk: int) -> int:
+    """The seed that shuffles the samples of `chunk` in `epoch`: the same in every process."""
     digest = hashlib.sha256(f"{seed},{epoch},{chunk}".encode()).digest()
     return int.from_bytes(digest[:7], "little")
 
@@ -166,31 +147,6 @@ class MemoryChunks(torch.utils.data.Dataset):
         stop = min(start + self.chunk_samples, self.num_samples)
         index = torch.arange(start, stop)[chunk_permutation(stop - start, shuffle_seed)]
         return index, self.images.index_select(0, index), self.labels.index_select(0, index)
-
-
-def rebatch(chunks, batch_size: int):
-    """Cut a stream of (indices, images, labels) chunks into batches of `batch_size`; the last may be short.
-
-    A batch may span two chunks; nothing is dropped or repeated.  Batches are views of their chunk; only a
-    batch that spans two chunks is copied (fewer than batch_size samples from each side).
-    """
-    left = None  # what the previous chunks left over, fewer than batch_size samples
-    for chunk in chunks:
-        n, start = len(chunk[0]), 0
-        if left is not None:  # complete the batch the previous chunks began
-            start = min(batch_size - len(left[0]), n)
-            left = tuple(torch.cat((a, t[:start])) for a, t in zip(left, chunk))
-            if len(left[0]) < batch_size:
-                continue
-            yield left
-            left = None
-        stop = start + (n - start) // batch_size * batch_size
-        for i in range(start, stop, batch_size):
-            yield tuple(t[i:i + batch_size] for t in chunk)
-        if stop < n:
-            left = tuple(t[stop:] for t in chunk)
-    if left is not None:
-        yield left
 
 
 def normalize(images: torch.Tensor, dataset: str) -> torch.Tensor:

@@ -11,8 +11,8 @@ On one machine:
     torchrun --standalone --nproc_per_node=4 day2/11_mnist_ddp_pt_multinode_streaming.py --quick
 
 A dataset too large for memory is read from disk while training.  Read it sample by sample and every read
-pays for a whole HDF5 chunk; read it in chunks and the shuffle can only move whole chunks.  So
-(data_tools/h5stream.py):
+pays for a whole HDF5 chunk; read it in chunks and the shuffle can only move whole chunks.  So (below:
+ChunkShardSampler, the DataLoader over whole chunks, rebatch; data_tools/h5stream.py reads the file):
 - the chunk is the unit: each epoch the chunk ids are shuffled with seed + epoch (the same order on every
   rank) and dealt round-robin, rank r reading chunks r, r+W, ...; one aligned read per chunk; the samples
   of a chunk are then shuffled.  The ranks together read every chunk once: each sample once per epoch;
@@ -25,10 +25,11 @@ pays for a whole HDF5 chunk; read it in chunks and the shuffle can only move who
   ran to the end.  join() does not know about the optimizer: the momentum of a rank that stopped early
   missed the last steps, so after each epoch we copy it from a rank that ran to the end as well.
   (The alternative, dropping the remainder so all ranks take equal steps, would skip samples every epoch.)
-Every epoch the lesson counts, across ranks, how often each sample was trained on, and reports it.
---source memory trains on the same chunks in the same order, taken from memory: the tests check that it
-gives the same weights.  On Lustre/GPFS, export HDF5_USE_FILE_LOCKING=FALSE for other HDF5 tools (this
+Every epoch the lesson counts, across ranks, how often each sample was trained on, and reports it
+(course/coverage.py).  --source memory trains on the same chunks in the same order, taken from memory:
+it gives the same weights as the file.  On Lustre/GPFS, export HDF5_USE_FILE_LOCKING=FALSE for other HDF5 tools (this
 lesson reads without locks).  --batch-size is per rank.
+Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import socket
 import sys
@@ -42,39 +43,110 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
-from course import cli
+from course import cli, coverage
 from course.evaluate import evaluate
 from course.launch import backend_for, launch, require_launcher, setup_device
 from course.models import build_model
 from course.output import plot_curves, rank_print, save_weights, write_json
 from course.profiling import add_profile_args, maybe_profile
-from data_tools.datasets import DataError, default_data_dir, load_split, require
-from data_tools.h5layout import create_command, default_h5_path, read_layout
-from data_tools.h5stream import ChunkShardSampler, H5Chunks, H5TestSet, MemoryChunks, normalize, rebatch
+from data_tools.datasets import load_split
+from data_tools.h5layout import read_layout, require_h5
+from data_tools.h5stream import H5Chunks, H5TestSet, MemoryChunks, chunk_seed, normalize
 
 LESSON = "day2/11_mnist_ddp_pt_multinode_streaming.py"
+
+
+class ChunkShardSampler(Sampler):
+    """This rank's chunks for one epoch, as (chunk id, shuffle seed) tasks for a chunk dataset (H5Chunks).
+
+    All chunks are permuted with seed + epoch (identical on every rank, like DistributedSampler) and rank r
+    takes every W-th one.  The shuffle seed of a chunk depends only on (seed, epoch, chunk), so the order of
+    samples is a pure function of the arguments: the same whichever rank or DataLoader worker reads it.
+    """
+
+    def __init__(self, num_samples: int, chunk_samples: int, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, shuffle: bool = True):
+        if num_samples < 1 or chunk_samples < 1:
+            raise ValueError("num_samples and chunk_samples must be positive")
+        self.num_samples, self.chunk_samples = num_samples, chunk_samples
+        self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
+        self.num_chunks = -(-num_samples // chunk_samples)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def chunk_order(self) -> list:
+        """The epoch's order of all chunks (before they are dealt to ranks)."""
+        if not self.shuffle:
+            return list(range(self.num_chunks))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)  # DDP: the same permutation on every rank
+        return torch.randperm(self.num_chunks, generator=g).tolist()
+
+    def my_chunks(self) -> list:
+        return self.chunk_order()[self.rank::self.world_size]  # DDP: dealt round-robin: each chunk to one rank
+
+    def chunk_size(self, chunk: int) -> int:
+        return min(self.chunk_samples, self.num_samples - chunk * self.chunk_samples)
+
+    def num_rank_samples(self) -> int:
+        """Samples this rank gets this epoch (ranks differ by up to one chunk)."""
+        return sum(self.chunk_size(c) for c in self.my_chunks())
+
+    def __iter__(self):
+        for chunk in self.my_chunks():
+            yield chunk, (chunk_seed(self.seed, self.epoch, chunk) if self.shuffle else None)
+
+    def __len__(self):
+        return len(range(self.rank, self.num_chunks, self.world_size))
+
+
+def rebatch(chunks, batch_size: int):
+    """Cut a stream of (indices, images, labels) chunks into batches of `batch_size`; the last may be short.
+
+    A batch may span two chunks; nothing is dropped or repeated.  Batches are views of their chunk; only a
+    batch that spans two chunks is copied (fewer than batch_size samples from each side).
+    """
+    left = None  # what the previous chunks left over, fewer than batch_size samples
+    for chunk in chunks:
+        n, start = len(chunk[0]), 0
+        if left is not None:  # complete the batch the previous chunks began
+            start = min(batch_size - len(left[0]), n)
+            left = tuple(torch.cat((a, t[:start])) for a, t in zip(left, chunk))
+            if len(left[0]) < batch_size:
+                continue
+            yield left
+            left = None
+        stop = start + (n - start) // batch_size * batch_size
+        for i in range(start, stop, batch_size):
+            yield tuple(t[i:i + batch_size] for t in chunk)
+        if stop < n:
+            left = tuple(t[stop:] for t in chunk)
+    if left is not None:
+        yield left
 
 
 def worker(info, args):
     # info: rank, local rank, node and world size from srun's or torchrun's variables (lesson 9)
     rank, world_size = info.rank, info.world_size
-    device = setup_device(args.device, info.local_rank)  # DDP: the LOCAL rank picks this node's GPU
+    device = setup_device(args.device, info.local_rank)  # DIST: the LOCAL rank picks this node's GPU
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout))  # DIST: join the process group
     host = socket.gethostname()
     placement = [None] * world_size
-    dist.all_gather_object(placement, (info.node_rank, host, info.local_rank))  # who runs where
+    dist.all_gather_object(placement, (info.node_rank, host, info.local_rank))  # DIST: who runs where
     nodes = len({node for node, _, _ in placement})
-    if info.local_rank == 0:  # DDP: one process per node: the place for per-node work
+    if info.local_rank == 0:  # DIST: one process per node: the place for per-node work
         ranks = [r for r, (node, _, _) in enumerate(placement) if node == info.node_rank]
         rank_print(rank, f"local rank 0 of node {info.node_rank} ({host}), which runs global ranks {ranks}; "
                          f"my device {device}")
     layout = read_layout(args.h5_file)
     if args.source == "h5":
         chunks = H5Chunks(args.h5_file, "train", limit=args.train_samples or 0)  # opened on first read
-    else:  # the same chunks from memory: the reference the tests compare the file against
+    else:  # the same chunks from memory, to compare the file with
         images, labels = load_split(layout.dataset, "train", args.data_dir)
         chunks = MemoryChunks(images, labels, layout.chunk_samples, limit=args.train_samples or 0)
     test_set = H5TestSet(args.h5_file, "test", device)
@@ -95,17 +167,17 @@ def worker(info, args):
     loader = DataLoader(chunks, sampler=sampler, batch_size=None, num_workers=args.workers,
                         persistent_workers=args.workers > 0, pin_memory=device.type == "cuda")
     prof = maybe_profile(args, rank, device)  # --profile: lesson 5's traces and TensorBoard scalars
-    losses, epochs, order, done, wait, start = [], [], [], 0, 0.0, time.perf_counter()
+    counts = coverage.Coverage(chunks.num_samples, device, args.save_order)  # each sample once per epoch?
+    losses, done, wait, start = [], 0, 0.0, time.perf_counter()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new chunk order each epoch, the same on every rank
         my_steps = -(-sampler.num_rank_samples() // args.batch_size)
         if args.max_steps:
             my_steps = min(my_steps, args.max_steps - done)
         steps = [None] * world_size
-        dist.all_gather_object(steps, my_steps)  # ranks differ by up to a chunk's worth of steps
-        seen = torch.zeros(chunks.num_samples, dtype=torch.int32, device=device)
+        dist.all_gather_object(steps, my_steps)  # DIST: ranks differ by up to a chunk's worth of steps
+        counts.start_epoch()
         epoch_losses = torch.full((max(steps),), float("nan"), device=device)
-        epoch_order = []
         ready = time.perf_counter()
         with model.join():  # DDP: a rank out of batches shadows the others' all_reduces until all are done
             for i, (index, images, y) in enumerate(rebatch(loader, args.batch_size)):
@@ -120,9 +192,7 @@ def worker(info, args):
                 optimizer.step()
                 epoch_losses[i] = loss.detach()
                 prof.step(loss, world_size * len(y))
-                seen.index_add_(0, index.to(device), torch.ones(len(index), dtype=torch.int32, device=device))
-                if args.save_order:
-                    epoch_order += index.tolist()
+                counts.add(index)  # which samples this rank trained on
                 ready = time.perf_counter()
         # DDP: join() copied the weights from a rank that ran to the end, but not the optimizer's momentum:
         # the ranks that stopped early missed the last steps.  Take it from the last such rank, as join() does.
@@ -131,19 +201,10 @@ def worker(info, args):
             dist.broadcast(optimizer.state[p]["momentum_buffer"], src=last)
         done += max(steps)
         losses.append(epoch_losses)
-        order.append(epoch_order)
-
-        dist.all_reduce(seen)  # DDP: how often each sample was trained on, summed over ranks
-        once = int((seen == 1).sum())
-        epochs.append({"epoch": epoch, "samples": chunks.num_samples, "trained": int(seen.sum()),
-                       "seen_once": once, "seen_never": int((seen == 0).sum()), "seen_more": int((seen > 1).sum()),
-                       "steps_per_rank": steps,
-                       "chunks_per_rank": [len(range(r, len(chunks), world_size)) for r in range(world_size)]})
+        summary = counts.end_epoch(epoch, steps, len(chunks), world_size)  # DIST: counts summed over ranks
         accuracy, test_loss, counted = evaluate(model.module, test_set, rank, world_size)
         prof.epoch(epoch, accuracy, test_loss)
         if rank == 0:
-            summary = ("each seen exactly once" if once == chunks.num_samples else
-                       f"{once} seen once, {epochs[-1]['seen_never']} never, {epochs[-1]['seen_more']} more often")
             rank_print(rank, f"epoch {epoch}: {chunks.num_samples} training samples in {len(chunks)} chunks, "
                              f"{summary}; steps per rank {steps}; test loss {test_loss:.4f}, "
                              f"test accuracy {accuracy:.4f} ({counted} test images, each counted once)")
@@ -157,17 +218,17 @@ def worker(info, args):
     state = torch.cat([t.detach().reshape(-1) for p in model.parameters()
                        for t in (p, optimizer.state[p]["momentum_buffer"])])
     states = [torch.empty_like(state) for _ in range(world_size)]
-    dist.all_gather(states, state)
+    dist.all_gather(states, state)  # DIST
     identical = all(torch.equal(states[0], s) for s in states)
     losses = torch.cat(losses)
     per_rank = [torch.empty_like(losses) for _ in range(world_size)]
-    dist.all_gather(per_rank, losses)  # DDP: the loss of each step, averaged over the ranks that had a batch
+    dist.all_gather(per_rank, losses)  # DIST: the loss of each step, averaged over the ranks that had a batch
     losses = torch.stack(per_rank).nanmean(0).tolist()
-    waits, orders = [None] * world_size, [None] * world_size
-    dist.all_gather_object(waits, round(wait, 3))
-    if args.save_order:
-        dist.all_gather_object(orders, order)
-    if rank == 0:  # DDP: GLOBAL rank 0 alone writes the shared files (local rank 0 exists on every node)
+    waits = [None] * world_size
+    dist.all_gather_object(waits, round(wait, 3))  # DIST
+    orders = counts.all_orders(world_size) if args.save_order else None
+    if rank == 0:  # DIST: GLOBAL rank 0 alone writes the shared files (local rank 0 exists on every node)
+        epochs = counts.epochs
         samples = sum(e["trained"] for e in epochs)
         run = args.run_dir
         write_json(run / "metrics.json", {
@@ -182,8 +243,7 @@ def worker(info, args):
             "train_seconds": seconds, "samples_per_second": samples / seconds,
             "test_accuracy": accuracy, "test_loss": test_loss, "loss_per_step": losses})
         if args.save_order:  # the sample order each rank trained on, per epoch: order[epoch][rank]
-            write_json(run / "order.json", {"epochs": [[orders[r][e] for r in range(world_size)]
-                                                        for e in range(len(epochs))]})
+            write_json(run / "order.json", {"epochs": orders})
         save_weights(run / "model.pt", model)
         source = f"streamed from {args.h5_file.name}" if args.source == "h5" else "the same chunks from memory"
         plot_curves(run / "loss.png", {f"{world_size} ranks": (range(1, done + 1), losses)}, "step",
@@ -191,23 +251,6 @@ def worker(info, args):
         print(f"{world_size} ranks on {nodes} node(s), {source} (chunks of {layout.chunk_samples}); "
               f"replicas identical: {identical}; test accuracy {accuracy:.4f}; outputs in {run}", flush=True)
     dist.destroy_process_group()
-
-
-def check_data(args):
-    """Fail fast, with the command that fixes it, before any rank starts."""
-    data_dir = args.data_dir or default_data_dir()
-    args.h5_file = args.h5_file or default_h5_path(args.dataset, data_dir)
-    if not args.h5_file.exists():
-        default = args.h5_file == default_h5_path(args.dataset, data_dir)
-        command = create_command(args.dataset, output=None if default else args.h5_file)
-        raise DataError(f"{args.h5_file} does not exist; create it with: {command}"
-                        + (f" --data-dir {args.data_dir}" if args.data_dir else ""))
-    layout = read_layout(args.h5_file)
-    if layout.dataset != args.dataset:
-        raise DataError(f"{args.h5_file} holds {layout.dataset}, not {args.dataset}; "
-                        f"pass --dataset {layout.dataset}")
-    if args.source == "memory":
-        require(args.dataset, args.data_dir)
 
 
 def build_parser():
@@ -227,5 +270,5 @@ def build_parser():
 
 
 if __name__ == "__main__":
-    cli.main(lambda args: (require_launcher(LESSON, "--quick"), check_data(args), launch(worker, args)),
+    cli.main(lambda args: (require_launcher(LESSON, "--quick"), require_h5(args), launch(worker, args)),
              build_parser())
