@@ -13,16 +13,27 @@ processes, the way you would start them in a terminal, so what you see is what t
 `run_lesson` streams the output into the notebook and, like `subprocess.run(..., check=True)`, raises
 CalledProcessError when the run fails, so a failed lesson fails its cell (and CI).  Never use a bare
 `!torchrun ...` in a notebook: a failing `!` command does not fail the cell.
+
+Two things `run_lesson` does beyond a terminal:
+- it hides a few lines that PyTorch prints on some machines and that say nothing about the lesson (NOISE
+  below: the CUDA build's `gpuGetDeviceCount failed` on a machine without a GPU, the profiler's `USDT:` lines,
+  torchrun's OMP_NUM_THREADS banner); they stay in the text it returns;
+- it records every run in the notebook as a small JSON output of type RECORD_MIME (command, seconds, how
+  many cores other programs used meanwhile, and the run's throughput read from its metrics.json), which
+  tests/test_notebook_consistency.py reads back to check that notebooks agree with each other.
 """
 import difflib
 import json
 import os
+import re
+import resource
 import shlex
 import shutil
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,8 +41,8 @@ RUNS = REPO / "runs" / "notebooks"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # so that a notebook can `import course...` to read what a run wrote
 
-__all__ = ["REPO", "RUNS", "run_lesson", "run_dir", "gpu_count", "full_size_nproc",
-           "show_diff", "show_diff_stats", "show_tagged", "read_json", "read_csv", "show_table",
+__all__ = ["REPO", "RUNS", "run_lesson", "run_dir", "gpu_count", "full_size_nproc", "md", "record_result",
+           "ddp_buckets", "diff_counts", "show_diff", "show_diff_stats", "show_tagged", "read_json", "read_csv", "show_table",
            "plt", "RANK_COLORS", "draw_allreduce", "draw_gpus", "draw_replicas", "draw_shards", "draw_buckets",
            "draw_nodes", "draw_chunks", "draw_lr_schedule", "draw_profiler_schedule", "plot_trace"]
 
@@ -63,11 +74,33 @@ def _display_command(cmd) -> str:
     return " ".join(shlex.quote(str(c)) for c in shown)
 
 
+# Lines that say nothing about the lesson, hidden from the notebook (run_lesson still returns them):
+NOISE = [
+    # PyTorch's CUDA build on a machine without a GPU, each time the profiler stops
+    re.compile(r"gpuGetDeviceCount failed with code \d+"),
+    # the profiler's tracing probes, at each start and stop
+    re.compile(r"^USDT:.*SyncActivityProfilerHandler"),
+    # the profiler, about memory allocated before it started (its memory view then lacks those frees)
+    re.compile(r"Memory block of unknown size was allocated before the profiling started"),
+    # torchrun's banner when it sets OMP_NUM_THREADS itself
+    re.compile(r"Setting OMP_NUM_THREADS environment variable for each process"),
+    re.compile(r"^(W\d{4} [\d:.]+ \d+ \S+\] )?\*{20,}\s*$"),
+    re.compile(r"^WARNING:torch\.distributed\.run:\s*$"),
+    # c10d on machines whose hostname does not resolve
+    re.compile(r"hostname of the client socket cannot be retrieved"),
+]
+
+
+def is_noise(line: str) -> bool:
+    return any(p.search(line) for p in NOISE)
+
+
 def _stream(proc, prefix, lines, on_output, errors):
     for line in proc.stdout:
         lines.append(prefix + line)
-        sys.stdout.write(prefix + line)
-        sys.stdout.flush()
+        if not is_noise(line):
+            sys.stdout.write(prefix + line)
+            sys.stdout.flush()
         if on_output is not None and not errors:
             try:
                 on_output(line)
@@ -120,6 +153,8 @@ def run_lesson(script, *args, nproc=None, nnodes=1, env=None, timeout=None, on_o
 
     for cmd in cmds:
         print("$", _display_command(cmd), flush=True)
+    others_before = _other_cores_now()
+    before, t0 = _cpu_counters(), time.perf_counter()
     lines, procs, threads, errors = [], [], [], []
     for cmd, prefix, cmd_env in zip(cmds, prefixes, envs):
         proc = subprocess.Popen(cmd, cwd=REPO, env=cmd_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -142,13 +177,136 @@ def run_lesson(script, *args, nproc=None, nnodes=1, env=None, timeout=None, on_o
     finally:
         for t in threads:
             t.join(timeout=10)
+    seconds, after = time.perf_counter() - t0, _cpu_counters()
     output = "".join(lines)
     if errors:
         raise errors[0]
     for cmd, code in zip(cmds, codes):
         if code != 0:  # what subprocess.run(..., check=True) does: the cell fails
             raise subprocess.CalledProcessError(code, _display_command(cmd), output)
+    _record_run(script, args, nproc, nnodes, seconds, before, after, max(others_before, _other_cores_now()))
     return RunOutput(output)
+
+
+# ------------------------------------------------------------------------------------------ recording runs
+
+RECORD_MIME = "application/vnd.course.run+json"
+
+
+def _cpu_counters():
+    """(CPU seconds used by all programs on this machine, CPU seconds used by this kernel and the runs it
+    started), or None where /proc/stat does not exist."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    ours = sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for field in ("ru_utime", "ru_stime"))
+    return busy, ours
+
+
+def _other_cores_now(seconds=0.25) -> float:
+    """How many cores other programs keep busy right now (a short sample while this notebook waits)."""
+    before = _cpu_counters()
+    time.sleep(seconds)
+    after = _cpu_counters()
+    if not (before and after):
+        return 0.0
+    return round(max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / seconds, 2)
+
+
+def _display_record(record):
+    from IPython.display import display
+
+    # text/plain is empty: the record is for tests/test_notebook_consistency.py, the run's own output is above
+    display({RECORD_MIME: record, "text/plain": ""}, raw=True)
+
+
+def _threads(script, args, nproc):
+    """Threads per rank the run used: what course.launch sets (cores / ranks of the node) unless
+    OMP_NUM_THREADS is set; torchrun runs here get OMP_NUM_THREADS=1."""
+    if nproc is not None:
+        return int(os.environ.get("OMP_NUM_THREADS", 1))
+    if "OMP_NUM_THREADS" in os.environ:
+        return int(os.environ["OMP_NUM_THREADS"])
+    ranks = int(args[args.index("--nproc") + 1]) if "--nproc" in args else 1
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
+def _record_run(script, args, nproc, nnodes, seconds, before, after, others_around):
+    """Display what the run was and what it measured, for tests/test_notebook_consistency.py.
+
+    other_cores_around: cores other programs used just before and just after the run (the larger);
+    other_cores_during: the same over the whole run, an upper bound (a process the run leaves to exit on its
+    own, such as a fork server, is not counted as the run's)."""
+    if "ipykernel" not in sys.modules:
+        return
+    record = {"script": script, "args": args, "nproc": nproc, "nnodes": nnodes, "seconds": round(seconds, 3),
+              "cores": os.cpu_count(), "other_cores_around": others_around}
+    if before and after:
+        others = (after[0] - before[0]) - (after[1] - before[1])
+        record["other_cores_during"] = round(max(0.0, others) / max(seconds, 1e-6), 2)
+    if "--run-dir" in args:
+        metrics = REPO / args[args.index("--run-dir") + 1] / "metrics.json"
+        if metrics.is_file():
+            m = json.loads(metrics.read_text())
+            device = "cpu" if ("--device" in args and args[args.index("--device") + 1] == "cpu") or not gpu_count() \
+                else "cuda"
+            result = {"lesson": m.get("lesson"), "model": m.get("model"), "batch_per_rank": m.get("batch_size"),
+                      "world_size": m.get("world_size"), "device": device,
+                      "threads_per_rank": _threads(script, args, nproc) if device == "cpu" else None}
+            if "samples_per_second" in m:
+                result.update(samples=m.get("samples_seen"), train_seconds=m["train_seconds"],
+                              samples_per_second=m["samples_per_second"])
+                record["result"] = result
+            elif m.get("ranks") and m.get("world_size") == 1:  # lesson 3 with one process: lesson 2's run
+                r = m["ranks"][0]
+                samples = r["steps"] * m["batch_size"]
+                result.update(samples=samples, train_seconds=r["train_seconds"],
+                              samples_per_second=samples / r["train_seconds"])
+                record["result"] = result
+    _display_record(record)
+
+
+def record_result(source, **result):
+    """Record a result a notebook read from a run's files (e.g. a row of lesson 7's table): model,
+    batch_per_rank, world_size, device, threads_per_rank, samples_per_second, train_seconds, ..."""
+    if "ipykernel" in sys.modules:
+        _display_record({"source": source, "result": result})
+
+
+def md(text):
+    """Show Markdown made from a run's results: numbers in prose come from the run, never typed by hand."""
+    from IPython.display import Markdown, display
+
+    display(Markdown(text))
+
+
+def ddp_buckets(model="mlp", bucket_cap_mb=25.0):
+    """The gradient buckets torch DDP really uses for a course model: [[parameter index, ...], ...] in the
+    order their all_reduces start, after DDP rebuilt them in the first backward.  Found by wrapping the model
+    in DDP in a 1-rank gloo process group, in a separate process (the notebook itself stays free of a
+    process group)."""
+    code = f"""
+import json, os, socket, torch, torch.distributed as dist
+from course.models import build_model
+s = socket.socket(); s.bind(("127.0.0.1", 0)); os.environ.update(MASTER_ADDR="127.0.0.1",
+    MASTER_PORT=str(s.getsockname()[1])); s.close()
+dist.init_process_group("gloo", rank=0, world_size=1)
+ddp = torch.nn.parallel.DistributedDataParallel(build_model({model!r}, 0), bucket_cap_mb={bucket_cap_mb!r})
+for _ in range(5):  # DDP rebuilds its buckets in the order the gradients arrived, after a first backward
+    ddp(torch.randn(4, 1, 28, 28)).sum().backward()
+    data = ddp._get_ddp_logging_data()
+    if "rebuilt_per_bucket_param_indices" in data:
+        break
+print(json.dumps([[int(i) for i in b.split()] for b in data["rebuilt_per_bucket_param_indices"].split(",")]))
+dist.destroy_process_group()
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, text=True,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 class RunOutput(str):
@@ -262,6 +420,11 @@ def show_diff(old, new, context=2):
              "text/plain": head + "\n\n" + "\n".join(lines)}, raw=True)
 
 
+def diff_counts(old, new) -> tuple:
+    """(lines added, lines removed) from script `old` to script `new`."""
+    return _counts(_diff(old, new, 0))
+
+
 def show_diff_stats(old, new):
     """Only the size of the change, for scripts that are rewrites of each other rather than edits."""
     added, removed = _counts(_diff(old, new, 0))
@@ -270,13 +433,16 @@ def show_diff_stats(old, new):
     print(f"{new} against {old}: {added} lines added, {removed} removed, {same:.0%} of the lines in common")
 
 
-def show_tagged(script, tag="# DDP:"):
-    """The lines of a script that carry a tag (every distributed line is tagged `# DDP:`)."""
+def show_tagged(script, tags=("# DDP:", "# DIST:")):
+    """The lines of a script that carry a tag: `# DDP:` marks what makes training data-parallel, `# DIST:`
+    the other torch.distributed lines."""
     from IPython.display import Markdown, display
 
+    tags = (tags,) if isinstance(tags, str) else tuple(tags)
     rows = [f"{n:4d}  {line.rstrip()}" for n, line in enumerate((REPO / script).read_text().splitlines(), 1)
-            if tag in line]
-    display(Markdown(f"Lines of **{script}** tagged `{tag}` ({len(rows)}):\n\n```python\n" + "\n".join(rows)
+            if any(t in line for t in tags)]
+    names = " or ".join(f"`{t}`" for t in tags)
+    display(Markdown(f"Lines of **{script}** tagged {names} ({len(rows)}):\n\n```python\n" + "\n".join(rows)
                      + "\n```"))
 
 
@@ -375,20 +541,24 @@ def draw_shards(shards, dataset_size, batch_size=None, show=200, title=None):
     plt.show()
 
 
-def draw_buckets(param_sizes, bucket_cap, names=None, title=None):
-    """DDP's gradient buckets: parameters in reverse order (backward produces the last layer's gradient
-    first) are packed into buckets of at most bucket_cap elements; each full bucket is all_reduced while
-    backward still computes the gradients of earlier layers."""
+def draw_buckets(param_sizes, bucket_cap=None, names=None, title=None, buckets=None):
+    """DDP's gradient buckets: backward produces the last layer's gradient first; each bucket's all_reduce
+    starts once its last gradient exists, while backward still computes the gradients of earlier layers.
+
+    `buckets`: the real assignment, [[parameter index, ...], ...] in launch order (see ddp_buckets());
+    without it, parameters in reverse order are packed into buckets of at least bucket_cap elements, the
+    rule DDP follows once it has rebuilt its buckets (a bucket closes when it reaches the cap)."""
     names = names or [f"p{i}" for i in range(len(param_sizes))]
-    order = list(range(len(param_sizes)))[::-1]
-    buckets, current, size = [], [], 0
-    for i in order:
-        if current and size + param_sizes[i] > bucket_cap:
+    if buckets is None:
+        buckets, current, size = [], [], 0
+        for i in reversed(range(len(param_sizes))):
+            current.append(i)
+            size += param_sizes[i]
+            if size >= bucket_cap:
+                buckets.append(current)
+                current, size = [], 0
+        if current:
             buckets.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += param_sizes[i]
-    buckets.append(current)
 
     fig, ax = plt.subplots(figsize=(9, 2.8))
     total = sum(param_sizes)
@@ -413,9 +583,9 @@ def draw_buckets(param_sizes, bucket_cap, names=None, title=None):
     ax.annotate("", xy=(end + 0.3, 0.05), xytext=(0, 0.05), arrowprops=dict(arrowstyle="->"))
     ax.text(end + 0.3, -0.2, "time", ha="right", fontsize=9)
     _blank(ax, (-2.4, end + 0.5), (-0.35, 2.1))
-    ax.set_title(title or f"{len(buckets)} bucket(s): communication overlaps the rest of backward")
+    ax.set_title(title or (f"{len(buckets)} buckets: communication overlaps the rest of backward"
+                           if len(buckets) > 1 else "1 bucket: its all_reduce starts when backward is done"))
     plt.show()
-    return buckets
 
 
 def draw_nodes(nnodes=2, per_node=2, placement=None, title=None, device="cuda"):
