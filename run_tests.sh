@@ -5,7 +5,29 @@
 # the time, and two streams keep both cores busy.  --dist loadfile: a test file runs in one worker, so its
 # module fixtures (all launchers submitted at once, a reference run) run once; a worker with Slurm tests
 # starts its own test cluster (clusters on one machine are independent).
+# The tests start real components: Slurm and munge, Chromium, network namespaces (scripts/system_packages.sh
+# lists the Debian packages).  As root or with password-less sudo, the missing ones are installed first
+# (nothing to do on a second run); otherwise their tests skip, and the last line says how many and the
+# command that runs them.  The exit code is pytest's (5: no tests collected).
 set -euo pipefail
 cd "$(dirname "$0")"
+scripts/system_packages.sh install || true  # without root their tests skip; an apt-get failure is said above
 source scripts/setup_env.sh
-exec "$PY" -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
+
+report="$(mktemp)"
+status=0
+COURSE_SKIP_REPORT="$report" "$PY" -m pytest -p tests.skip_report -n "${TEST_WORKERS:-2}" --dist loadfile "$@" \
+  || status=$?
+read -r root_skips package_skips <"$report" || true  # empty when pytest stopped before the end
+root_skips="${root_skips:-0}" package_skips="${package_skips:-0}"
+rm -f "$report"
+skipped=$((root_skips + package_skips))
+if [ "$skipped" -gt 0 ]; then
+  missing="$(scripts/system_packages.sh missing)"
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo "
+  run="./run_tests.sh"; [ "$root_skips" -gt 0 ] && run="${sudo}./run_tests.sh"  # the Slurm tests need root
+  echo "run_tests: $skipped $([ "$skipped" -eq 1 ] && echo test || echo tests) skipped for missing system packages or root" \
+       "($root_skips need root, $package_skips need packages${missing:+; missing: $missing}); to run them:" \
+       "${missing:+${sudo}apt-get install -y $missing && }$run"
+fi
+exit "$status"
