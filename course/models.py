@@ -11,7 +11,8 @@ def mlp() -> nn.Module:
 
 class CNN(nn.Module):
     """The convolutional classifier of PyTorch's FashionMNIST training guide (two conv layers, three
-    fully connected).  Fewer parameters than the MLP but ~8x its compute per sample: it scales better."""
+    fully connected).  Fewer parameters than the MLP (44 426) but 2.8x its multiply-adds per sample
+    (282 thousand against 102 thousand): more work per step next to smaller gradients, so it scales better."""
 
     def __init__(self):
         super().__init__()
@@ -99,14 +100,18 @@ def add_vit_args(p):
     return p
 
 
-def model_from_args(args, seed: int) -> nn.Module:
-    """build_model for the lessons with add_vit_args: the same seed gives the same weights everywhere."""
-    if args.model != "vit":
-        return build_model(args.model, seed)
-    if args.width % args.heads:
+def check_vit_args(args) -> None:
+    """The ViT's flags as one clear line, before any rank starts."""
+    if args.model == "vit" and args.width % args.heads:
         from course.cli import CourseError
 
         raise CourseError(f"--width {args.width} is not a multiple of --heads {args.heads}; choose a width "
                           f"such as {args.heads * 16}")
+
+
+def model_from_args(args, seed: int) -> nn.Module:
+    """build_model for the lessons with add_vit_args: the same seed gives the same weights everywhere."""
+    if args.model != "vit":
+        return build_model(args.model, seed)
     torch.manual_seed(seed)
     return ViT(args.patch, args.width, args.depth, args.heads)

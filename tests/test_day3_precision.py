@@ -1,0 +1,130 @@
+"""Lesson 13 (mixed precision under DDP), run for real: gloo, 2 ranks, the CPU, the ViT, one thread a rank.
+
+Every run starts from the same weights (seed 5: rank 0's, broadcast by DDP) and takes the same first global
+batch; SGD's first step (momentum buffer = gradient) moves the weights by exactly lr x the clipped gradient,
+so the clipped, averaged gradient of step 1 is (w0 - w1) / lr, read from the weights the lesson saves.
+
+Bounds, measured on 2026-11-24 (see the numbers in each test):
+- bf16 against fp32: the relative difference of the whole gradient vector, |g16 - g32| / |g32|, at most 0.05.
+  autocast rounds the inputs of every matrix product to bf16 (8 significant bits: a relative rounding of up to
+  2^-9 = 0.2 % per number) and the errors of 4 blocks forward and backward add up; measured ~0.01.
+- fp16 against fp32: at most 0.01 (11 significant bits: 2^-12 = 0.02 % per number); measured ~0.001.
+- the clip (0.05) is far below the gradient's norm (~1-3), so clipping is active and the clipped gradient has
+  norm 0.05 in all three; after unscale_ fp16's clipped gradient equals fp32's within the fp16 bound above.
+  Without unscale_ the norm clipped would be the scaled one (x65536) and the step 65536x too small: the
+  norm check fails by orders of magnitude.
+"""
+import re
+import warnings
+from argparse import Namespace
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, lesson, metrics, run
+from course.output import load_weights
+
+pytestmark = pytest.mark.slow
+SCRIPT = "day3/13_mixed_precision.py"
+LR, CLIP = 1.0, 0.05
+COMMON = ["--train-samples", "640", "--batch-size", "16", "--seed", "5", "--lr", str(LR),
+          "--clip-grad-norm", str(CLIP), "--loader", "memory", "--width", "32", "--depth", "2", "--heads", "2"]
+BOUND = {"bf16": 0.05, "fp16": 0.01}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, dataset):
+    """One step each in fp32 (under torchrun), bf16 and fp16 (the lesson's own launcher); two fp16 steps with
+    an inf in rank 1's loss at step 2."""
+    root = tmp_path_factory.mktemp("precision")
+    out = {}
+    for name, launcher, extra in (("fp32", "torchrun", ["--precision", "fp32", "--max-steps", "1"]),
+                                  ("bf16", "self", ["--precision", "bf16", "--max-steps", "1"]),
+                                  ("fp16", "self", ["--precision", "fp16", "--max-steps", "1"]),
+                                  ("overflow", "self", ["--precision", "fp16", "--max-steps", "2",
+                                                        "--overflow-at", "2", "--overflow-rank", "1"])):
+        proc = lesson(SCRIPT, *COMMON, *extra, "--run-dir", root / name, launcher=launcher, nproc=2)
+        out[name] = (root / name, proc.stdout)
+    return out
+
+
+def initial_weights() -> dict:
+    """Rank 0's initial weights (DDP broadcasts them), built as the lesson builds them."""
+    from course.models import ViT
+
+    torch.manual_seed(5)
+    return {k: v.detach().clone() for k, v in ViT(7, 32, 2, 2).state_dict().items()}
+
+
+def first_gradient(run_dir) -> torch.Tensor:
+    """The clipped gradient of step 1, averaged over ranks, as one vector: (w0 - w1) / lr."""
+    w0, w1 = initial_weights(), load_weights(run_dir / "model.pt")
+    return torch.cat([((w0[k] - w1[k]) / LR).flatten() for k in sorted(w0)])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_16_bit_gradients_agree_with_fp32(runs, precision):
+    """Measured 2026-11-24: bf16 0.0085, fp16 0.0011 (relative, whole vector); see the module docstring."""
+    g32, g16 = first_gradient(runs["fp32"][0]), first_gradient(runs[precision][0])
+    rel = ((g16 - g32).norm() / g32.norm()).item()
+    assert rel <= BOUND[precision], rel
+    assert rel > 1e-6, "no difference at all: autocast did not compute in 16 bits"
+    # the unclipped norm the ranks saw agrees too (fp16's after unscale_, not the scaled one)
+    n32, n16 = metrics(runs["fp32"][0])["grad_norm_per_step"][0], metrics(runs[precision][0])["grad_norm_per_step"][0]
+    assert n32 > 10 * CLIP and abs(n16 - n32) / n32 <= BOUND[precision], (n16, n32)
+
+
+def test_clipping_after_unscale_equals_fp32_clipping(runs):
+    g32, g16 = first_gradient(runs["fp32"][0]), first_gradient(runs["fp16"][0])
+    # clipping was active: the step's gradient has norm CLIP (up to float rounding) in both
+    assert abs(g32.norm().item() - CLIP) / CLIP < 1e-3, g32.norm()
+    assert abs(g16.norm().item() - CLIP) / CLIP < BOUND["fp16"], g16.norm()
+
+
+def test_overflow_on_one_rank_skips_the_step_on_every_rank(runs):
+    run_dir, out = runs["overflow"]
+    m = metrics(run_dir)
+    assert m["steps"] == 2 and m["skipped_steps"] == [2] and m["identical_weights"] is True, out
+    # both ranks say they skipped step 2; rank 0's own loss was finite, rank 1's was inf
+    skips = dict(re.findall(r"\[rank (\d)\] step 2 skipped \(inf/NaN gradients; own loss (\S+)\)", out))
+    assert set(skips) == {"0", "1"}, out
+    assert skips["1"] == "inf" and float(skips["0"]) < 10, skips
+    assert re.search(r"loss scale 65536 -> 32768", out)
+    # the skipped step left the weights as they were after step 1: exactly the 1-step fp16 run's
+    before, after = load_weights(runs["fp16"][0] / "model.pt"), load_weights(run_dir / "model.pt")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert torch.isfinite(torch.cat([v.flatten() for v in after.values()])).all()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
+    (["--width", "30", "--heads", "4"], "--width 30 is not a multiple of --heads 4"),
+])
+def test_bad_flags_are_one_line(args, says, tmp_path):
+    proc = run([PYTHON, REPO / SCRIPT, "--quick", *args, "--run-dir", tmp_path / "r"], check=False)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_dtype_autocast_cannot_compute_in_is_one_clear_error(monkeypatch):
+    """CPU builds before torch 2.2 had no fp16 autocast: autocast warned and computed in fp32.  The check
+    turns that into an error before any rank starts (torch 2.14's CPU has both dtypes: simulated here)."""
+    from course import precision
+    from course.cli import CourseError
+
+    real = torch.autocast
+
+    def without_fp16(device_type, dtype=None, **kw):
+        if dtype == torch.float16:
+            warnings.warn("In CPU autocast, but the target dtype is not supported. Disabling autocast.")
+            return real(device_type, dtype=dtype, enabled=False)
+        return real(device_type, dtype=dtype, **kw)
+
+    for precision_ in ("fp32", "bf16", "fp16"):  # the real CPU autocast takes all three
+        precision.check_precision(Namespace(precision=precision_, device="cpu"))
+    monkeypatch.setattr(torch, "autocast", without_fp16)
+    precision.check_precision(Namespace(precision="bf16", device="cpu"))
+    with pytest.raises(CourseError, match=r"^--precision fp16: this cpu has no fp16 autocast \(In CPU autocast"):
+        precision.check_precision(Namespace(precision="fp16", device="cpu"))
