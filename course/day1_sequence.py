@@ -1,6 +1,6 @@
 """The course's main job: every day-1 lesson in order, on the hardware present, then a short summary.
 
-    python -m course.day1_sequence --quick      # what ./quickstart.sh runs: ~2 minutes on a 2-core laptop
+    python -m course.day1_sequence --quick      # what ./quickstart.sh runs: 88-94 s on a 2-core VM
     python -m course.day1_sequence              # full size (use a GPU node)
 
 Each lesson runs as its own process with its own launcher, exactly as a learner would start it by hand.

@@ -24,7 +24,7 @@ def evaluate(model, test_set, rank: int = 0, world_size: int = 1, batch_size: in
         totals[1] += torch.nn.functional.cross_entropy(logits, y, reduction="sum")
         totals[2] += len(y)
     if world_size > 1:
-        dist.all_reduce(totals)  # DDP: the counts of all ranks, each sample counted once
+        dist.all_reduce(totals)  # DIST: the counts of all ranks, each sample counted once
     model.train(was_training)
     correct, loss, count = totals.tolist()
     return correct / count, loss / count, int(count)

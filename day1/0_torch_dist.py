@@ -8,6 +8,7 @@
 Data parallelism needs N processes that can talk.  Each process has a rank (0 .. N-1); together they form a
 process group; a collective such as all_reduce combines one tensor from every rank and gives every rank the
 result.  Here each rank holds the number `rank + 1` and all_reduce(SUM) / N gives each of them the mean.
+Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import sys
 from datetime import timedelta
@@ -24,12 +25,12 @@ from course.output import rank_print
 
 
 def worker(info, args):
-    # DDP: every process joins the same group; MASTER_ADDR/MASTER_PORT say where rank 0 listens
+    # DIST: every process joins the same group; MASTER_ADDR/MASTER_PORT say where rank 0 listens
     dist.init_process_group("gloo", rank=info.rank, world_size=info.world_size,
                             timeout=timedelta(seconds=args.timeout))
     value = torch.tensor([float(info.rank + 1)])
     rank_print(info.rank, f"of {info.world_size}: my value is {value.item():g}")
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # DDP: after this, every rank holds the same sum
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # DIST: after this, every rank holds the same sum
     mean = value.item() / info.world_size
     rank_print(info.rank, f"all_reduce(SUM) = {value.item():g}, mean = {mean:g}")
     dist.destroy_process_group()

@@ -9,6 +9,7 @@ NCCL moves GPU memory between GPUs directly (NVLink, PCIe, InfiniBand) without a
 Each rank owns one GPU: `torch.cuda.set_device(local_rank)` must come before init_process_group, or every
 rank would create its context on GPU 0.  NCCL cannot put two ranks on one GPU, so there can be at most as
 many ranks per node as GPUs.  On a machine without CUDA this script says so and runs lesson 0's gloo path.
+Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import sys
 from datetime import timedelta
@@ -30,16 +31,16 @@ def worker(info, args):
         if info.local_rank >= gpus:  # NCCL cannot share a GPU between two ranks
             raise cli.CourseError(f"local rank {info.local_rank} has no GPU of its own ({gpus} on this node); "
                                   f"start at most {gpus} NCCL ranks per node")
-        torch.cuda.set_device(info.local_rank)  # DDP: before init, so NCCL binds this rank to its own GPU
+        torch.cuda.set_device(info.local_rank)  # DIST: before init, so NCCL binds this rank to its own GPU
         device = torch.device("cuda", info.local_rank)
     else:
         device = torch.device("cpu")
     dist.init_process_group(args.backend, rank=info.rank, world_size=info.world_size,
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout))  # DIST: join the process group
     value = torch.tensor([float(info.rank + 1)], device=device)  # NCCL reduces tensors in GPU memory
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     rank_print(info.rank, f"of {info.world_size} on {device} ({where}): my value is {value.item():g}")
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # DIST: lesson 0's collective, now between GPUs
     rank_print(info.rank, f"all_reduce(SUM) = {value.item():g}, mean = {value.item() / info.world_size:g}")
     dist.destroy_process_group()
 

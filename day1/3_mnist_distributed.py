@@ -8,6 +8,7 @@ Starting a training script N times is not data parallelism.  With the same seed 
 same weights, shuffles the data into the same order, takes the same steps and ends with the same model:
 N copies of one result for N times the electricity.  They even slow each other down, sharing the cores.
 The process group is used only at the end, to compare what the ranks did; lesson 4 makes them cooperate.
+Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import hashlib
 import sys
@@ -22,26 +23,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import RandomSampler
 
-from course import cli
+from course import cli, replicas
 from course.evaluate import evaluate
 from course.launch import backend_for, launch, setup_device
 from course.models import build_model
-from course.output import rank_print, save_weights, write_json
+from course.output import rank_print
 from data_tools.datasets import InMemoryMNIST, batches, require
-
-
-def fingerprint(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def worker(info, args):
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout))  # DIST: join the process group
     require(args.dataset, args.data_dir)
     train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
     test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
@@ -63,32 +57,20 @@ def worker(info, args):
             step += 1
             if step == args.max_steps:
                 break
+        accuracy, test_loss, counted = evaluate(model, test_set)  # every rank evaluates all: duplicated work
+        if rank == 0:
+            rank_print(rank, f"epoch {epoch}: test loss {test_loss:.4f}, test accuracy {accuracy:.4f} "
+                             f"({counted} test images, on every rank)")
         if step == args.max_steps:
             break
     seconds = time.perf_counter() - start
-    accuracy, _, _ = evaluate(model, test_set)  # every rank evaluates everything: more duplicated work
-    rank_print(rank, f"{step} steps over all {len(train_set)} samples per epoch in {seconds:.1f} s, "
-                     f"test accuracy {accuracy:.4f}")
+    rank_print(rank, f"{step} steps on all {len(train_set)} samples per epoch in {seconds:.1f} s")
 
-    mine = {"rank": rank, "weights": fingerprint(model.state_dict().values()),
-            "data_order": order.hexdigest()[:16], "steps": step, "train_seconds": seconds}
+    mine = replicas.notes(rank, model, order, step, seconds)  # fingerprints of the weights and data order
     everyone = [None] * world_size
-    dist.all_gather_object(everyone, mine)  # the only communication: compare notes at the end
-    if rank == 0:
-        same_weights = len({r["weights"] for r in everyone}) == 1
-        same_order = len({r["data_order"] for r in everyone}) == 1
-        for r in everyone:
-            print(f"  rank {r['rank']}: weights {r['weights']}  data order {r['data_order']}  "
-                  f"{r['steps']} steps  {r['train_seconds']:.1f} s")
-        print(f"identical weights on all {world_size} ranks: {same_weights}; identical data order: "
-              f"{same_order}.\n{world_size} processes did {world_size} x {step} steps to produce one model: "
-              f"this is replication, not data parallelism (lesson 4 splits the data instead).", flush=True)
-        write_json(args.run_dir / "metrics.json", {
-            "lesson": "3_mnist_distributed", "dataset": args.dataset, "model": args.model,
-            "world_size": world_size, "batch_size": args.batch_size, "steps": step,
-            "test_accuracy": accuracy, "identical_weights": same_weights, "identical_data_order": same_order,
-            "ranks": everyone})
-        save_weights(args.run_dir / "model.pt", model)
+    dist.all_gather_object(everyone, mine)  # DIST: the only communication: compare notes at the end
+    if rank == 0:  # DIST: one process writes the outputs
+        replicas.report(everyone, args, step, accuracy, model)  # side by side, metrics.json, model.pt
     dist.destroy_process_group()
 
 

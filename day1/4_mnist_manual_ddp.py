@@ -15,6 +15,9 @@ With W ranks of batch b each, one step equals one process stepping on the global
 `--sync per-param` (the default, as the original workshop) calls all_reduce once per parameter tensor;
 `--sync flat` copies all gradients into one buffer and reduces it once: fewer, larger messages, the idea
 behind torch DDP's gradient buckets (lesson 6).  --batch-size is per rank.
+--loader dataloader (the default) is the loop to write for any dataset: a DataLoader over the
+DistributedSampler; --loader memory gives the same batches in the same order from the in-memory tensors.
+Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import sys
 import time
@@ -26,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from course import cli
@@ -60,7 +64,7 @@ def worker(info, args):
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout))  # DIST: join the process group
     require(args.dataset, args.data_dir)
     train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
     test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
@@ -75,13 +79,17 @@ def worker(info, args):
     # DDP: rank r gets every W-th index of the epoch's shuffled order; padded so all shards are equal
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     shards = [None] * world_size
-    dist.all_gather_object(shards, list(sampler))  # epoch 0's shards, to show (and test) they are disjoint
+    dist.all_gather_object(shards, list(sampler))  # DIST: epoch 0's shards, to show they are disjoint
+    if args.loader == "dataloader":  # the loop to write for your own dataset
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    else:  # the same batches, each gathered from the in-memory tensors at once (data_tools/datasets.py)
+        loader = batches(train_set, sampler, args.batch_size)
 
     prof = maybe_profile(args, rank, device)  # --profile: lesson 5's traces and TensorBoard scalars
     losses, step, start = [], 0, time.perf_counter()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
-        for x, y in batches(train_set, sampler, args.batch_size):
+        for x, y in loader:
             loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad()
             loss.backward()
@@ -104,9 +112,9 @@ def worker(info, args):
     rank_print(rank, f"{step} steps on {len(sampler)} samples per epoch in {seconds:.1f} s")
 
     losses = torch.stack(losses)
-    dist.all_reduce(losses)  # DDP: the loss of each global batch, averaged over ranks (one call at the end)
+    dist.all_reduce(losses)  # DIST: the loss of each global batch, averaged over ranks (one call at the end)
     losses = (losses / world_size).tolist()
-    if rank == 0:
+    if rank == 0:  # DIST: one process writes the outputs
         global_batch = world_size * args.batch_size
         samples = min(step * global_batch, args.epochs * world_size * len(sampler))
         run = args.run_dir
@@ -126,7 +134,7 @@ def worker(info, args):
 
 
 def build_parser():
-    p = cli.add_distributed(cli.parser(__doc__, "day1/4_mnist_manual_ddp.py", nproc_default=2))
+    p = cli.add_loader(cli.add_distributed(cli.parser(__doc__, "day1/4_mnist_manual_ddp.py", nproc_default=2)))
     p.add_argument("--sync", default="per-param", choices=("per-param", "flat"),
                    help="per-param: one all_reduce per parameter tensor; flat: one for all gradients")
     return add_profile_args(p)

@@ -1,4 +1,4 @@
-"""Lesson 6: torch's DistributedDataParallel does lesson 4's synchronization for us, and better.
+"""Lesson 6: torch's DistributedDataParallel does lesson 4's synchronization for us: the same result, less code.
 
     python day1/6_mnist_ddp_pt.py --nproc 2 --quick
     torchrun --nproc_per_node=4 day1/6_mnist_ddp_pt.py
@@ -7,10 +7,17 @@
 Wrapping the model in DDP replaces lesson 4's two manual steps:
 - at wrap time DDP broadcasts rank 0's parameters and buffers to every rank (no broadcast loop);
 - during backward, hooks on the parameters put finished gradients into buckets (25 MB by default) and
-  start an all_reduce for each full bucket while backward is still computing the rest: communication
-  overlaps computation, and many small tensors travel as a few large messages (lesson 4's --sync flat).
-The result is the same training run as lesson 4: same weights after the same steps (the tests check it).
+  start an all_reduce for each full bucket while backward is still computing the rest, and many small
+  tensors travel as a few large messages (lesson 4's --sync flat).
+The result is the same training run as lesson 4: the same weights after the same steps.  What DDP gives
+here is that result with less code to get wrong.  Its overlap of communication with backward pays off
+when there are many buckets and a backward long enough to hide them (larger models, GPUs); the MLP's
+0.4 MB of gradients fill a single bucket, which can only be sent when backward is done, and on a 2-core
+CPU lesson 4's flat all_reduce was as fast or faster (lesson 5's --compare table, benchmarks/bench.py).
 `device_ids` is passed only on GPUs; on the CPU DDP uses the model where it is.  --batch-size is per rank.
+--loader dataloader (the default) is the loop to write for any dataset: a DataLoader over the
+DistributedSampler; --loader memory gives the same batches in the same order from the in-memory tensors.
+Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import sys
 import time
@@ -23,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from course import cli
@@ -38,7 +46,7 @@ def worker(info, args):
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout))  # DIST: join the process group
     require(args.dataset, args.data_dir)
     train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
     test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
@@ -49,12 +57,17 @@ def worker(info, args):
                 bucket_cap_mb=args.bucket_cap_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
+    # DDP: rank r gets every W-th index of the epoch's shuffled order; padded so all shards are equal
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    if args.loader == "dataloader":  # the loop to write for your own dataset
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    else:  # the same batches, each gathered from the in-memory tensors at once (data_tools/datasets.py)
+        loader = batches(train_set, sampler, args.batch_size)
     prof = maybe_profile(args, rank, device)  # --profile: lesson 5's traces and TensorBoard scalars
     losses, step, start = [], 0, time.perf_counter()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
-        for x, y in batches(train_set, sampler, args.batch_size):
+        for x, y in loader:
             loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad()
             loss.backward()  # DDP: gradients arrive averaged over ranks when backward returns
@@ -76,9 +89,9 @@ def worker(info, args):
     rank_print(rank, f"{step} steps on {len(sampler)} samples per epoch in {seconds:.1f} s")
 
     losses = torch.stack(losses)
-    dist.all_reduce(losses)  # DDP: the loss of each global batch, averaged over ranks (one call at the end)
+    dist.all_reduce(losses)  # DIST: the loss of each global batch, averaged over ranks (one call at the end)
     losses = (losses / world_size).tolist()
-    if rank == 0:
+    if rank == 0:  # DIST: one process writes the outputs
         global_batch = world_size * args.batch_size
         samples = min(step * global_batch, args.epochs * world_size * len(sampler))
         run = args.run_dir
@@ -97,7 +110,7 @@ def worker(info, args):
 
 
 def build_parser():
-    p = cli.add_distributed(cli.parser(__doc__, "day1/6_mnist_ddp_pt.py", nproc_default=2))
+    p = cli.add_loader(cli.add_distributed(cli.parser(__doc__, "day1/6_mnist_ddp_pt.py", nproc_default=2)))
     p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0,
                    help="DDP's gradient bucket size in MB (the MLP's gradients are 0.4 MB: one bucket)")
     return add_profile_args(p)

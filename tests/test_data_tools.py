@@ -184,3 +184,30 @@ def test_in_memory_dataset_is_the_real_data_normalized(dataset):
     assert x.shape == (3, 1, 28, 28) and y.tolist() == labels[[5, 0, 7]].tolist()
     assert np.allclose(x[1, 0].numpy(), (images[0].numpy() / 255 - s.mean) / s.std, atol=1e-6)
     assert sorted(np.bincount(labels.numpy())) == [6000] * 10  # Fashion-MNIST's classes are balanced
+
+
+@pytest.mark.parametrize("world_size, limit, batch", [(3, 1001, 64), (2, 640, 50)])
+def test_the_two_loaders_of_the_lessons_give_the_same_batches_in_the_same_order(dataset, world_size, limit, batch):
+    """--loader dataloader (DataLoader(dataset, batch_size=..., sampler=DistributedSampler(...)), the loop a
+    learner writes for any dataset) and --loader memory (batches(), one gather per batch) yield the same
+    batches, bit for bit, for every rank and epoch, padding included."""
+    import torch
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    from data_tools.datasets import batches
+
+    train = InMemoryMNIST(dataset, "train", limit=limit)
+    for rank in range(world_size):
+        sampler = DistributedSampler(train, num_replicas=world_size, rank=rank, shuffle=True, seed=3)
+        loader = DataLoader(train, batch_size=batch, sampler=sampler)
+        firsts = []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            expected = list(loader)
+            got = list(batches(train, sampler, batch))
+            assert len(got) == len(expected) == -(-len(sampler) // batch)
+            for (x, y), (ex, ey) in zip(got, expected):
+                assert torch.equal(x, ex) and torch.equal(y, ey) and y.dtype == ey.dtype == torch.int64
+            firsts.append(got[0][0])
+        assert not torch.equal(*firsts)  # set_epoch reshuffled: both loaders follow the sampler
