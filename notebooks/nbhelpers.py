@@ -250,7 +250,7 @@ def _record_run(script, args, nproc, nnodes, seconds, before, after, others_arou
         record["other_cores_during"] = round(max(0.0, others) / max(seconds, 1e-6), 2)
     if "--run-dir" in args:
         metrics = REPO / args[args.index("--run-dir") + 1] / "metrics.json"
-        if metrics.is_file():
+        if metrics.is_file() and script != "day1/7_mnist_ddp_pt_timing.py":  # 7 records its table itself
             m = json.loads(metrics.read_text())
             device = "cpu" if ("--device" in args and args[args.index("--device") + 1] == "cpu") or not gpu_count() \
                 else "cuda"

@@ -19,7 +19,10 @@
 # mean of 1..N.
 #
 # Run this notebook from top to bottom (JupyterLab: *Run > Run All Cells*). It starts the real script as a
-# separate program, the same way you would in a terminal.
+# separate program, the same way you would in a terminal. (The notebooks hide a few lines PyTorch prints on
+# some machines that say nothing about the lesson, such as torchrun's banner about `OMP_NUM_THREADS` or,
+# in the profiling lessons, `gpuGetDeviceCount failed` on a machine without a GPU: `NOISE` in
+# [`nbhelpers.py`](nbhelpers.py) lists them. In a terminal you will see them; they are harmless.)
 
 # %%
 from nbhelpers import *
@@ -42,11 +45,48 @@ draw_allreduce([r + 1 for r in range(NPROC)])
 # ## What is new
 #
 # This is the first lesson, so there is no previous script to compare with. The distributed lines of every
-# lesson carry a `# DDP:` comment; here are the ones of lesson 0 (later notebooks show the diff against the
-# lesson before).
+# lesson carry a tag comment (`# DDP:` for what makes training data-parallel, `# DIST:` for the other
+# torch.distributed lines); here are the ones of lesson 0 (later notebooks show the diff against the lesson
+# before).
 
 # %%
 show_tagged("day1/0_torch_dist.py")
+
+# %% [markdown]
+# ## Where ranks come from: two processes started by hand
+#
+# A rank is not magic. A launcher starts N ordinary processes and tells each one four things in its
+# environment: `RANK` (who am I), `WORLD_SIZE` (how many of us), `MASTER_ADDR` and `MASTER_PORT` (where rank
+# 0 listens; every process goes there to meet the others). `init_process_group` reads them. Here are two
+# plain Python processes, started with those variables by this notebook, without any launcher (the course's
+# scripts also want `LOCAL_RANK`, the rank within one machine; it picks the GPU in lesson 1).
+
+# %%
+import os
+import socket
+import subprocess
+import sys
+
+with socket.socket() as s:  # a free port on this machine for rank 0 to listen on
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+by_hand = []
+for rank in range(2):
+    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    print(f"starting: RANK={rank} WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={port} python day1/0_torch_dist.py")
+    by_hand.append(subprocess.Popen([sys.executable, "day1/0_torch_dist.py"], cwd=REPO, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+for rank, proc in enumerate(by_hand):
+    text = proc.communicate(timeout=300)[0]
+    print(f"\n--- what process {rank} printed (exit code {proc.returncode}):\n{text}", end="")
+    if proc.returncode:  # a failed process fails the cell
+        raise subprocess.CalledProcessError(proc.returncode, f"RANK={rank} python day1/0_torch_dist.py", text)
+
+# %% [markdown]
+# Each process printed only its own lines, and both got the same mean: they met at rank 0's port and
+# all_reduced. Start only one of the two and it would wait at `init_process_group` for the other (until
+# `--timeout`). Everything below starts processes the same way; the launchers just save you the typing.
 
 # %% [markdown]
 # ## Run it: the script starts its own processes
@@ -69,9 +109,6 @@ out = run_lesson("day1/0_torch_dist.py", "--nproc", NPROC)
 # command does not fail its cell, and `torchrun` may not even be on the notebook's PATH.)
 
 # %%
-import subprocess
-import sys
-
 result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                          f"--nproc_per_node={NPROC}", "day1/0_torch_dist.py"],
                         cwd=REPO, check=True, capture_output=True, text=True)
@@ -109,10 +146,16 @@ print(f"mean of 1..{NPROC} = {(NPROC + 1) / 2:g}, on every rank")
 # %% [markdown]
 # ## Try it yourself
 #
-# - Start more processes than you have cores: `run_lesson("day1/0_torch_dist.py", "--nproc", 8)`. It still
-#   works: ranks are processes, not cores (they just share the CPU).
-# - What happens if one rank never calls `all_reduce`? Every other rank waits for it, until `--timeout`.
-#   Collectives must be called by *all* ranks, in the same order: this is the most common cause of hangs.
-# - In a terminal: `torchrun --nproc_per_node=4 day1/0_torch_dist.py`.
+# Solutions, with the commands and what they print: [`solutions/0_torch_dist.md`](../solutions/0_torch_dist.md).
+#
+# 1. Start more processes than you have cores: `run_lesson("day1/0_torch_dist.py", "--nproc", 8)`. You
+#    should see 8 ranks, each printing its value 1..8, and every rank ending with `all_reduce(SUM) = 36,
+#    mean = 4.5`: ranks are processes, not cores (they just share the CPU).
+# 2. Start only one of the two processes of "started by hand" above, with `--timeout 10` after the script
+#    name. You should see it wait, then stop after about 10 s with an error naming the timeout (a non-zero
+#    exit): a rank waits for the others at `init_process_group`, and the same holds for every collective.
+#    Collectives must be called by *all* ranks, in the same order: this is the most common cause of hangs.
+# 3. In a terminal: `torchrun --nproc_per_node=4 day1/0_torch_dist.py`. You should see 4 ranks and
+#    `mean = 2.5` on each.
 #
 # Next: [lesson 1](1_torch_dist_gpu.ipynb) does the same on GPUs with NCCL.

@@ -64,27 +64,42 @@ rows = [{"rank": int(r), "world size": int(n), "device": dev, "device name": nam
 show_table(sorted(rows, key=lambda r: r["rank"]))
 
 # %% [markdown]
-# ## The rule, enforced: more NCCL ranks than GPUs is an error
+# ## The rule, enforced: no NCCL rank without a GPU of its own
 #
-# Asking for one NCCL rank more than there are GPUs stops at once with a one-line explanation, instead of
-# hanging later. The cell below expects that failure (`CalledProcessError`) and shows the message.
+# The cell below asks for one NCCL rank more than this machine has GPUs (on a machine without a GPU, that is
+# a single rank). The script stops at once with a one-line explanation instead of hanging later. The cell
+# expects that failure (`CalledProcessError`) and says which of the script's two checks this machine hit.
 
 # %%
 import subprocess
 
+GPUS = gpu_count()
 try:
-    run_lesson("day1/1_torch_dist_gpu.py", "--backend", "nccl", "--nproc", gpu_count() + 1)
+    run_lesson("day1/1_torch_dist_gpu.py", "--backend", "nccl", "--nproc", GPUS + 1)
 except subprocess.CalledProcessError as e:
-    print(f"\nfailed as it should, with exit code {e.returncode}")
+    if GPUS == 0:
+        md(f"Exit code {e.returncode}. This machine has no GPU, so even one NCCL rank is one too many: the script "
+           "says that NCCL needs CUDA GPUs and none is visible. On a GPU node the same call asks for one rank "
+           "more than the node has GPUs, and the message names both numbers.")
+    else:
+        md(f"Exit code {e.returncode}. This machine has {GPUS} GPU(s), so {GPUS + 1} NCCL ranks are one too many: "
+           "the message names both numbers, before any rank is started.")
 else:
     raise AssertionError("more NCCL ranks than GPUs should have failed")
 
 # %% [markdown]
 # ## Try it yourself
 #
-# - On a GPU node: `torchrun --nproc_per_node=4 day1/1_torch_dist_gpu.py`, and `nvidia-smi` in another
-#   terminal while it runs.
-# - `NCCL_DEBUG=INFO` before the command makes NCCL print which transport it picked (NVLink, PCIe, sockets).
+# Solutions, with the commands and what they print: [`solutions/1_torch_dist_gpu.md`](../solutions/1_torch_dist_gpu.md).
+#
+# 1. On a GPU node: `torchrun --nproc_per_node=4 day1/1_torch_dist_gpu.py`, and `nvidia-smi` in another
+#    terminal while it runs. You should see `[rank r] of 4 on cuda:r (<GPU name>)` for r = 0..3, and in
+#    `nvidia-smi` one python process on each of the 4 GPUs.
+# 2. On a GPU node: `NCCL_DEBUG=INFO` before the same command. You should see lines starting with
+#    `NCCL INFO` that name the transport NCCL picked between the GPUs (`P2P` for NVLink/PCIe, `NET` for
+#    sockets or InfiniBand).
+# 3. Anywhere: `python day1/1_torch_dist_gpu.py --backend gloo --nproc 3`. You should see 3 ranks on `cpu`,
+#    each with `mean = 2`: gloo works on any machine, with or without GPUs.
 #
 # Next: [lesson 2](2_mnist_training.ipynb), the single-process training run that the rest of day 1
 # distributes.

@@ -7,7 +7,8 @@
 # of clothes, 10 classes, 60 000 for training and 10 000 for testing). Everything the next lessons
 # distribute is here in its simplest form:
 #
-# - **data**: the whole training set lives in memory as one tensor (47 MB); a batch is one index into it;
+# - **data**: the whole training set lives in memory as one float32 tensor (its size is printed below); a batch
+#   is one index into it;
 # - **model**: the original workshop's MLP, 784 -> 128 -> 10 (or `--model cnn`);
 # - **loop**: for each batch, forward, loss, `backward()` for the gradients, `optimizer.step()`;
 # - **result**: the loss per step, the test accuracy over all 10 000 test images, the weights.
@@ -51,6 +52,10 @@ for i, ax in enumerate(axes.flat):
     ax.set_title(classes[labels[i]], fontsize=8)
     ax.axis("off")
 plt.show()
+train_images, _ = load_split(DEFAULT_DATASET, "train")
+n, pixels = len(train_images), train_images[0].numel()
+md(f"The training set: {n:,} images of {pixels} pixels, {n * pixels / 1e6:.0f} MB as the uint8 files store them, "
+   f"{n * pixels * 4 / 1e6:.0f} MB as the float32 tensor the script trains from: it fits in memory (and on a GPU).")
 
 # %% [markdown]
 # ## Run it
@@ -110,9 +115,15 @@ plt.show()
 # %% [markdown]
 # ## Try it yourself
 #
-# - `--model cnn`: fewer parameters, more compute per sample, higher accuracy.
-# - `--batch-size 128`: half the steps per epoch. Lesson 4 will show that 2 ranks with batch 64 each take
-#   *exactly* these steps.
+# Solutions, with the commands and what they print: [`solutions/2_mnist_training.md`](../solutions/2_mnist_training.md).
+#
+# 1. `--model cnn` (with `--quick`): fewer parameters than the MLP but much more compute per sample. You
+#    should see the run take several times longer than the MLP's above, and, after the same 200 steps, a
+#    *lower* test accuracy: the CNN has not caught up yet in so few steps (run without `--quick` to compare
+#    after full epochs).
+# 2. `--batch-size 128` (with `--quick`): you should see `trained 100 steps (12800 samples)`: half the
+#    steps per epoch. Lesson 4 will show that 2 ranks with batch 64 each take *exactly* these steps (the same
+#    test accuracy, to the last digit printed).
 #
 # Next: [lesson 3](3_mnist_distributed.ipynb) starts this script N times, and shows why that is not yet
 # parallel training.

@@ -66,9 +66,9 @@ assert m["identical_weights"] and m["identical_data_order"]
 # %% [markdown]
 # ## The cost: N times the work for one model
 #
-# The same run with a single process, for comparison. On an otherwise idle machine each of the `NPROC`
-# ranks above takes about as long as the single process, or longer, since they share its cores (timings
-# also move with whatever else runs on the machine). The useful result is one model either way.
+# The same run with a single process, for comparison. The `NPROC` ranks above share this machine's cores;
+# the single process has them all (timings also move with whatever else runs on the machine). The useful
+# result is one model either way.
 
 # %%
 run_lesson("day1/3_mnist_distributed.py", *SIZE, *DEVICE, "--nproc", 1, "--run-dir", RUN / "nproc1")
@@ -85,11 +85,22 @@ axes[1].set(xlabel="processes", ylabel="steps", title="work done vs. work that m
 axes[1].legend()
 fig.tight_layout()
 plt.show()
+single = read_json(RUN / "nproc1" / "metrics.json")
+slowest, alone = max(seconds[NPROC]), seconds[1][0]
+md(f"Here the slowest of the {NPROC} ranks trained for {slowest:.2f} s and the single process for {alone:.2f} s "
+   f"({slowest / alone:.1f}x as long): {NPROC} x {m['steps']} steps computed, {m['steps']} of them useful."
+   + ("" if single["ranks"][0]["weights"] == m["ranks"][0]["weights"] else
+      " The single process's weights fingerprint differs from the ranks' in the last bits: it ran "
+      "on more threads, which add up the same numbers in a different order."))
 
 # %% [markdown]
 # ## Try it yourself
 #
-# - Give each rank a different seed and you get N *different* models, still each trained on the whole
-#   dataset alone: an ensemble, not data parallelism.
+# Solutions, with the commands and what they print: [`solutions/3_mnist_distributed.md`](../solutions/3_mnist_distributed.md).
+#
+# 1. Give each rank a different seed: in a copy of the script, build the model with `args.seed + rank`
+#    instead of `args.seed`. You should see `identical weights on all 2 ranks: False; identical data order:
+#    True`: N *different* models, each still trained on the whole dataset alone (an ensemble, not data
+#    parallelism), and the data order unchanged because the shuffle has its own seed.
 #
 # Next: [lesson 4](4_mnist_manual_ddp.ipynb) splits the data across the ranks and averages their gradients.

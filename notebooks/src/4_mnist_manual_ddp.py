@@ -92,13 +92,22 @@ print(f"after {m4['steps']} steps: largest weight difference {worst:.1e} of the 
       f"(float32 rounding); test accuracy {m4['test_accuracy']:.4f} vs {m2['test_accuracy']:.4f}")
 if not FULL_SIZE:  # on GPUs, non-deterministic kernels add their own rounding over thousands of steps
     assert worst < 1e-3 and m4["steps"] == m2["steps"]
+md(f"This notebook compares results, not speed: the {m4['world_size']} ranks trained for {m4['train_seconds']:.2f} s "
+   f"and the single process for {m2['train_seconds']:.2f} s, on {'GPUs' if not DEVICE else 'the same CPU cores'} "
+   "and with different thread counts. [Lesson 7](7_mnist_ddp_pt_timing.ipynb) measures what more ranks buy, "
+   "and why.")
 
 # %% [markdown]
 # ## Try it yourself
 #
-# - `--sync flat`: one all_reduce per step for all gradients instead of one per parameter tensor. Same
-#   result, fewer messages: the idea behind DDP's buckets in lesson 6.
-# - Remove `sampler.set_epoch(epoch)` and run 2 epochs: every epoch then has the same order.
+# Solutions, with the commands and what they print: [`solutions/4_mnist_manual_ddp.md`](../solutions/4_mnist_manual_ddp.md).
+#
+# 1. `--sync flat`: one all_reduce per step for all gradients instead of one per parameter tensor. You
+#    should see the same test accuracy as the run above, to the last digit printed: the same sums, in fewer
+#    messages (the idea behind DDP's buckets in lesson 6).
+# 2. Set `NPROC = 3` in the first cell and run the notebook again. 12 800 samples do not divide by 3: you
+#    should see `12801 indices handed out, 12800 distinct` and an overlap of 1: the sampler repeats one
+#    sample so that every rank takes the same number of steps.
 #
 # Next: [lesson 5](5_mnist_manual_ddp_profile.ipynb) profiles this run and shows what the all_reduce
 # costs; [lesson 6](6_mnist_ddp_pt.ipynb) lets PyTorch's DDP do the synchronization.

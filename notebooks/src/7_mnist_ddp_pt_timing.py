@@ -57,12 +57,20 @@ run_lesson("day1/7_mnist_ddp_pt_timing.py", NPROC, "--sweep", *SIZE, *DEVICE, "-
 # %% [markdown]
 # ## The timing table
 #
-# `scaling.csv`: the latest run of each world size, per model and batch size, with its speed-up over 1 rank.
+# `scaling.csv`: the latest run of each world size, per model and batch size, with its speed-up over 1 rank
+# and that speed-up's noise (from the spread of the speeds of blocks of steps in both runs).
 
 # %%
 table = read_csv(RUN / "scaling.csv")
 show_table(table, ["model", "batch_per_rank", "device", "world_size", "threads_per_rank", "samples_per_second",
-                   "speedup", "compute_ms", "comm_ms", "comm_share"])
+                   "speedup", "speedup_noise", "compute_ms", "comm_ms", "comm_share"])
+for r in table:  # for tests/test_notebook_consistency.py: the same configuration in other notebooks
+    record_result("day1/7_mnist_ddp_pt_timing.py", lesson="7_mnist_ddp_pt_timing", model=r["model"],
+                  batch_per_rank=int(r["batch_per_rank"]), world_size=int(r["world_size"]), device=r["device"],
+                  threads_per_rank=int(r["threads_per_rank"]), samples=int(r["samples"]),
+                  train_seconds=float(r["train_seconds"]), samples_per_second=float(r["samples_per_second"]),
+                  speedup=float(r["speedup"]) if r["speedup"] else None,
+                  speedup_noise=float(r["speedup_noise"]) if r.get("speedup_noise") else None)
 
 # %% [markdown]
 # ## Time per step: compute and communication
@@ -105,17 +113,42 @@ ax.legend()
 plt.show()
 
 # %% [markdown]
-# On this notebook's machine (see the `device` and `threads_per_rank` columns) the numbers say what the
-# script printed above. On a GPU node (`FULL_SIZE = True`) the compute part stays flat as ranks are added
-# and the CNN's speed-up approaches W. Timings depend on the machine and on whatever else runs on it:
-# rerun the sweep before drawing conclusions. A busy machine hurts the 1-rank run most: its 2 threads must
-# run at the same time to make progress, and they wait for each other whenever another program holds a
-# core, which can make "1 rank x 2 threads" several times slower than on an idle machine and the speed-up
-# of 2 ranks look far better than it is.
+# ## What the sweeps say, on this machine
+#
+# A speed-up is a ratio of two noisy runs: it says "more ranks pay off" only when 1.0 lies outside speed-up
+# ± noise.
+
+# %%
+lines = []
+for model, batch in configs:
+    for r in table:
+        if (r["model"], r["batch_per_rank"]) == (model, batch) and int(r["world_size"]) > 1 and r["speedup"]:
+            s, n = float(r["speedup"]), float(r["speedup_noise"] or 0)
+            verdict = ("more ranks pay off" if s - n > 1 else "more ranks cost time" if s + n < 1 else
+                       "no measurable difference")
+            lines.append(f"- {model}, batch {batch} per rank, {r['world_size']} ranks on {r['device']}: "
+                         f"{s:.2f}x ± {n:.2f} against 1.0: **{verdict}**; communication is "
+                         f"{float(r['comm_share']):.0%} of a step.")
+md("\n".join(lines))
+
+# %% [markdown]
+# See the `device` and `threads_per_rank` columns for what these ranks had. On a GPU node
+# (`FULL_SIZE = True`) the compute part stays flat as ranks are added and the CNN's speed-up approaches W.
+# Timings depend on the machine and on whatever else runs on it: rerun the sweep before drawing
+# conclusions. A busy machine hurts the 1-rank run most: its threads must run at the same time to make
+# progress, and they wait for each other whenever another program holds a core, which makes the 1-rank
+# run slower and the speed-up of more ranks look better than it is.
 #
 # ## Try it yourself
 #
-# - `--batch-size 1024` for the MLP: more work per all_reduce.
-# - Under torchrun or srun, each call adds one row: `torchrun --nproc_per_node=4 day1/7_mnist_ddp_pt_timing.py`.
+# Solutions, with the commands and what they print: [`solutions/7_mnist_ddp_pt_timing.md`](../solutions/7_mnist_ddp_pt_timing.md).
+#
+# 1. `--batch-size 1024` for the MLP (with `--sweep` and the other options of the first run above, and a
+#    new `--run-dir`): 16 times the compute per step for the same 0.4 MB all_reduce. You should see a
+#    smaller `comm_share` at 2 ranks than at batch 64, and a higher speed-up.
+# 2. Under torchrun or srun, each call adds one row: run
+#    `torchrun --standalone --nproc_per_node=1 day1/7_mnist_ddp_pt_timing.py --quick --run-dir runs/t7`, then
+#    the same with `--nproc_per_node=2`. You should see the table printed after the second call with two
+#    rows, 1 and 2 ranks, and a speed-up for 2.
 #
 # Next: [lesson 8](8_mnist_ddp_pt_lr.ipynb): a larger global batch needs a larger learning rate.
