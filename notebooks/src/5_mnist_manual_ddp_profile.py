@@ -57,7 +57,9 @@ show_diff("day1/4_mnist_manual_ddp.py", "day1/5_mnist_manual_ddp_profile.py")
 # Rank 0 prints, for each variant, the costliest operators of the recorded steps (`prof.key_averages()`),
 # and at the end a table computed from every rank's trace: all_reduce calls and bytes per step,
 # communication time, and how much of it overlaps backward. (On a machine without a GPU, PyTorch's CUDA
-# build prints `gpuGetDeviceCount failed with code 35` when the profiler stops: harmless.)
+# build prints `gpuGetDeviceCount failed with code 35` each time the profiler stops, and the profiler prints
+# `USDT: ... profiler_start/profiler_stop` lines: harmless, so the notebook hides them; in a terminal you
+# will see them.)
 
 # %%
 out = run_lesson("day1/5_mnist_manual_ddp_profile.py", *SIZE, *DEVICE, "--compare", "--log-dir", LOG,
@@ -70,11 +72,19 @@ out = run_lesson("day1/5_mnist_manual_ddp_profile.py", *SIZE, *DEVICE, "--compar
 # information drawn with matplotlib for the `per-param` variant: on each rank's main thread the forward
 # pass, backward, the gradient sync and the optimizer step, and below it the collectives that gloo runs on
 # its own threads. With one message per parameter tensor, the "gradient sync" phase is a chain of small
-# all_reduces, each a round trip between the ranks. Note also how one rank waits in its sync for the other
-# to arrive.
+# all_reduces, each a round trip between the ranks. Where one rank reaches its sync later than the other,
+# the other's all_reduce bars grow: that time is waiting, not transfer.
 
 # %%
 plot_trace(sorted((REPO / LOG / "per-param" / "chrome_trace").glob("rank*.json")), title="--sync per-param")
+
+# %% [markdown]
+# And the `ddp` variant. Here the all_reduce sits *inside* the `backward` span: DDP starts it from a hook
+# on the gradients, and `loss.backward()` returns only once it is done (DDP waits for its buckets at the end
+# of backward). Inside is not the same as overlapping, though: the table below counts as overlap only the
+# time during which backward was still *computing* gradients. The MLP's 0.4 MB of gradients make one bucket,
+# whose all_reduce can only start when the last gradient exists, so its overlap is 0% or close to it.
+# [Lesson 6](6_mnist_ddp_pt.ipynb) shows a model cut into several buckets, where it is not.
 
 # %%
 plot_trace(sorted((REPO / LOG / "ddp" / "chrome_trace").glob("rank*.json")), title="--sync ddp")
@@ -116,7 +126,8 @@ plt.show()
 # then open http://127.0.0.1:6006 and choose **PyTorch Profiler** (Overview, Operator, Trace, Memory,
 # Module, and the **Distributed** view: computation, communication and waiting per rank). Inside JupyterLab
 # the same works in a cell: `%load_ext tensorboard` then `%tensorboard --logdir ... --host 127.0.0.1`. On a
-# cluster, start it on the compute node and reach it through the SSH tunnel described in the README. The
+# cluster, start it on the compute node and reach it through the SSH tunnel described in
+# [Profiling: viewing on a cluster](../docs/learners/profiling.md#viewing-on-a-cluster). The
 # profiler page loads Google Charts from the internet, so the browser needs internet access; the traces also
 # open in https://ui.perfetto.dev (the copies in `chrome_trace/`).
 
@@ -127,7 +138,15 @@ for path in sorted((REPO / LOG).glob("*/*.pt.trace.json")):
 # %% [markdown]
 # ## Try it yourself
 #
-# - `--model cnn`: more compute per step, so communication is a smaller share.
-# - `--sync ddp --bucket-cap-mb 0.1`: several buckets; look for all_reduces that start *during* backward.
+# Solutions, with the commands and what they print: [`solutions/5_mnist_manual_ddp_profile.md`](../solutions/5_mnist_manual_ddp_profile.md).
+#
+# 1. `--model cnn --sync ddp`: more compute per step for fewer bytes (0.18 MB of gradients). You should see
+#    `comm ms` a smaller share of `step ms` than in the MLP's `ddp` row above.
+# 2. `--sync ddp --bucket-cap-mb 0.005`: a bucket closes once it holds at least the cap, so the MLP's three
+#    small tensors (5.5 KB) make one bucket and its large first-layer weight another. You should see
+#    `all_reduce per step` 2.0 instead of 1.0. (`0.1` is not small enough: the small tensors plus the large
+#    one are the first bucket to reach 0.1 MB, and everything is still one bucket.)
+# 3. `--model cnn --sync ddp --bucket-cap-mb 0.01`: you should see 3.0 all_reduces per step and an
+#    `overlap with backward` above 0%: the first buckets travel while backward computes the earlier layers.
 #
 # Next: [lesson 6](6_mnist_ddp_pt.ipynb): DDP in its own script.
