@@ -326,6 +326,8 @@ RUNS = {
     "2_mnist_training": SMALL,
     "1_torch_dist_gpu": [],
     "0_torch_dist": [],
+    # fp16 for 6 steps with an inf injected into rank 1's loss at step 3: both ranks skip it
+    "13_mixed_precision": SMALL + ["--precision", "fp16", "--max-steps", "6", "--overflow-at", "3"],
     "create_mnist_h5": ["--chunk-samples", "500", "--output", "{work}/made-by-job.h5"],
 }
 JOB_TIMEOUT = 420
@@ -421,6 +423,11 @@ def check_12_ddp_fault_tolerance(log, work):
         "the ranks did not span both nodes"
     assert "run 1 of job" in log and "requeueing" not in log  # not signalled: one run, no requeue
     assert accuracy(log, r"resumed at steps none; test accuracy (0\.\d+)") > 0.5
+
+
+def check_13_mixed_precision(log, work):
+    assert sorted(re.findall(r"\[rank (\d)\] step 3 skipped \(inf/NaN gradients", log)) == ["0", "1"]
+    assert "global batch 128, fp16: test accuracy" in log and "weights identical on all ranks: True" in log
 
 
 def check_create_mnist_h5(log, work):
