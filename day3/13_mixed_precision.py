@@ -6,8 +6,8 @@
 
 Lesson 6's DDP loop, with day 3's model (a small Vision Transformer, course/models.py) and three changes:
 - `torch.autocast(device, dtype)` runs the forward pass's matrix products in bf16 or fp16 (half the bytes,
-  tensor cores on GPUs) and keeps precision-sensitive ops (softmax, norms, the loss) in fp32.  The weights,
-  their gradients and the optimizer stay fp32: DDP all_reduces fp32 gradients, as before.
+  tensor cores on GPUs) and keeps precision-sensitive ops (layer norms, the loss; on GPUs softmax too) in
+  fp32.  The weights, their gradients and the optimizer stay fp32: DDP all_reduces fp32 gradients, as before.
 - fp16 keeps 10 mantissa bits but only 5 exponent bits: numbers below ~6e-8 become 0, above 65504 inf.  Small
   gradients would vanish, so GradScaler multiplies the loss by a large scale before backward and divides the
   gradients by it before the step.  bf16 has fp32's exponent range (8 bits, 7 mantissa bits): no scaler.
