@@ -92,7 +92,12 @@ course_site_setup
 case "$COURSE_SITE_STATUS" in
     "set up")
         echo "multinode: site profile $COURSE_SITE_FILE: site_setup done${SITE_DESCRIPTION:+ ($SITE_DESCRIPTION)}" ;;
-    "set up by the caller") echo "multinode: site profile ${COURSE_SITE_FILE:-none}: set up by the job script" ;;
+    "set up by the caller")
+        if [[ -n "$COURSE_SITE_FILE" ]]; then
+            echo "multinode: site profile $COURSE_SITE_FILE: set up by the job script"
+        else
+            echo "multinode: no site profile (the job script's environment)"
+        fi ;;
     *) echo "multinode: no site profile (--site NAME or COURSE_SITE=NAME loads one)" ;;
 esac
 

@@ -35,12 +35,12 @@ def slurm_cluster():
 
 # Imported by every Python process that has the probe's directory on PYTHONPATH; a day-2 lesson's process
 # (not a torchrun agent, not the port check) prints the token it sees, with its rank and host.
-PROBE_SITECUSTOMIZE = """
+PROBE_SITECUSTOMIZE = r"""
 import os, socket, sys
 if os.path.basename(os.path.dirname(os.path.abspath(sys.argv[0]))) == "day2":
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
-    print(f"site probe: rank {rank} on {socket.gethostname()} sees COURSE_SITE_PROBE="
-          f"{os.environ.get('COURSE_SITE_PROBE', '<unset>')}", flush=True)
+    line = f"site probe: rank {rank} on {socket.gethostname()} sees {os.environ.get('COURSE_SITE_PROBE', '-')}\n"
+    os.write(1, line.encode())  # one write: the ranks of a node share the output pipe, lines must not mix
 """
 
 
@@ -73,7 +73,7 @@ site_setup() {{
     def check(self, output: str, hosts=("node1", "node1", "node2", "node2")) -> None:
         """site_setup ran exactly once, and rank r on hosts[r] saw the token, for every rank."""
         assert output.count("site probe: site_setup ran in job") == 1, output
-        seen = sorted(re.findall(r"site probe: rank (\S+) on (\S+) sees COURSE_SITE_PROBE=(\S+)", output))
+        seen = sorted(re.findall(r"site probe: rank (\S+) on (node\d) sees ([0-9a-f]+|-)$", output, flags=re.M))
         assert seen == [(str(r), host, self.token) for r, host in enumerate(hosts)], output
 
 

@@ -1,7 +1,7 @@
 """Day 2 on a real two-node Slurm cluster (tests/slurm_cluster.py): lessons 9, 10 and 11 started by
 day2/multinode_setup_and_run.sh inside salloc and sbatch allocations, with plain srun and with srun+torchrun.
 
-Every command here is one a user types (see the README's cluster section), run from the cluster's work
+Every command here is one a user types (see docs/learners/multinode.md), run from the cluster's work
 directory, not the repository: the script must find its lessons and the repository's Python by itself.
 """
 import json
