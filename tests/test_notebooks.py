@@ -248,3 +248,32 @@ def test_a_failing_lesson_run_fails_its_notebook(launch, dataset):
     assert [o.ename for o in nb.cells[2].outputs if o.output_type == "error"] == ["CalledProcessError"]
     assert "must be at least 1" in "".join(o.get("text", "") for o in nb.cells[2].outputs)
     assert nb.cells[3].outputs == [] and nb.cells[3].execution_count is None
+
+
+# ------------------------------------------------------------------------------------------ what a learner reads
+
+def test_known_harmless_lines_are_hidden_and_the_lessons_lines_are_not():
+    import nbhelpers
+
+    noise = ["ERROR:2026-11-22 14:30:53 8235:8235 DeviceProperties.cpp:42] gpuGetDeviceCount failed with code 35",
+             "USDT:2026-11-22 14:30:53 8235:8235 SyncActivityProfilerHandler.cpp:39] profiler_start",
+             "*****************************************",
+             "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid your "
+             "system being overloaded, please further tune the variable for optimal performance in your "
+             "application as needed.",
+             "[rank0]:[W1124 01:04:41.900936531 CPUAllocator.cpp:245] Memory block of unknown size was allocated "
+             "before the profiling started, profiler results will not include the deallocation event"]
+    lesson = ["[rank 0] all_reduce(SUM) = 3, mean = 1.5", "ddp               1.0    407.1     5.61      4.33",
+              "[rank 0] error: the process group could not be set up", "| mlp | 64 | cpu | 1 x 2 |"]
+    assert [nbhelpers.is_noise(line) for line in noise] == [True] * len(noise)
+    assert [nbhelpers.is_noise(line) for line in lesson] == [False] * len(lesson)
+
+
+@pytest.mark.parametrize("name", notebook_names())
+def test_committed_outputs_hold_no_known_noise(name):
+    import nbhelpers
+
+    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    printed = [line for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "stream"
+               for line in o.text.splitlines()]
+    assert [line for line in printed if nbhelpers.is_noise(line)] == []
