@@ -249,6 +249,21 @@ def test_multinode_script_stops_on_a_bad_profile_before_any_rank(case, tmp_path)
     assert not calls.exists(), calls.read_text()
 
 
+def test_a_launcher_with_a_failing_site_setup_stops_before_its_lesson(tmp_path):
+    """The launchers' job_start (slurm/lib/job.sh) runs site_setup through the same function: the job's log
+    names the failing command, and the job ends with exit code 1 before any srun."""
+    profile = tmp_path / "broken.env"
+    profile.write_text("site_setup() {\n    false\n}\n")
+    env = {**os.environ, "SLURM_JOB_ID": "7", "COURSE_REPO": str(REPO), "COURSE_SITE": str(profile)}
+    done = subprocess.run(["bash", "-c", 'set -euo pipefail; source "$COURSE_REPO/slurm/lib/job.sh"; job_start; '
+                                         'echo "+ srun reached"'],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.strip() == (f"error: site_setup of {profile} failed: `false` exited with 1; fix site_setup "
+                                   "there (run its lines in a shell to see the cause). No rank was started.")
+    assert "srun reached" not in done.stdout and "exit code 1" in done.stdout.splitlines()[-1]
+
+
 # ------------------------------------------------------------------------------------------ sbatch --test-only
 
 @pytest.fixture(scope="module")
