@@ -11,6 +11,8 @@ notebooks points at the file it names in the repository.  This extension
   script and SLURM launcher included at the end;
 - maps links to a lesson's script or launcher onto those sections of its lesson page; links to any other
   repository file become downloads (Sphinx copies the file into the site);
+- gives solutions/README.md a toctree of the solutions (solutions/<notebook>.md) in course order, and each
+  lesson card a link to its solutions;
 - writes index.html at the site's root, which forwards to the home page docs/index.html.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import logging as pylogging
 import tomllib
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from docutils import nodes
 from sphinx import addnodes
@@ -31,6 +34,9 @@ CATALOG = "docs/lessons.toml"
 GENERATED = "docs/_generated"
 FIELDS = ("id", "day", "title", "idea", "objectives", "minutes", "script", "notebook", "launcher")
 OBJECTIVE_PREFIX = "After this lesson you can "
+# Output MIME types the site leaves out: the notebooks' records of their runs (time, machine load), which the
+# course's checks read from the committed notebooks (notebooks/nbhelpers.py RECORD_MIME), not for readers.
+HIDDEN_MIME = ("application/vnd.course.run+json",)
 
 
 def load_catalog(root: Path) -> list[dict]:
@@ -97,7 +103,12 @@ def day_page(day: int, lessons: list[dict]) -> str:
 """
 
 
-def lesson_card(lesson: dict) -> str:
+def solutions(lesson: dict) -> str:
+    """The path of the lesson's solutions to its exercises (solutions/<notebook name>.md)."""
+    return "solutions/" + lesson["notebook"].removeprefix("notebooks/").removesuffix(".ipynb") + ".md"
+
+
+def lesson_card(lesson: dict, root: Path) -> str:
     """The catalog's facts about a lesson, in MyST, shown under the notebook's heading."""
     objectives = lesson["objectives"]
     if all(item.startswith(OBJECTIVE_PREFIX) for item in objectives):
@@ -116,7 +127,8 @@ Day {lesson['day']}, about {lesson['minutes']} minutes. {lesson['idea'][:1].uppe
 {bullets}
 
 Files: [the script](#{label(lesson, 'script')}) `{lesson['script']}`, [the SLURM launcher](#{label(lesson, 'launcher')})
-`{lesson['launcher']}`, the notebook {{download}}`{lesson['notebook']} </{lesson['notebook']}>` (this page).
+`{lesson['launcher']}`, the notebook {{download}}`{lesson['notebook']} </{lesson['notebook']}>` (this page).{
+    f" Solutions to the exercises: [{solutions(lesson)}](/{solutions(lesson)})." if (root / solutions(lesson)).is_file() else ""}
 ````
 """
 
@@ -143,12 +155,29 @@ def markdown_cell(source: str, cell_id: str) -> dict:
     return {"cell_type": "markdown", "id": f"course-site-{cell_id}", "metadata": {}, "source": source}
 
 
-def lesson_notebook(text: str, lesson: dict) -> str:
+def without_records(notebook: dict) -> dict:
+    """The notebook without the outputs' HIDDEN_MIME data (an output left empty is dropped)."""
+    for cell in notebook["cells"]:
+        outputs = []
+        for output in cell.get("outputs", []):
+            data = output.get("data")
+            if data and any(mime in data for mime in HIDDEN_MIME):
+                for mime in HIDDEN_MIME:
+                    data.pop(mime, None)
+                if not any(data.values()):
+                    continue
+            outputs.append(output)
+        if "outputs" in cell:
+            cell["outputs"] = outputs
+    return notebook
+
+
+def lesson_notebook(text: str, lesson: dict, root: Path) -> str:
     """The notebook's JSON with the lesson card under its first heading and the files appended."""
-    notebook = json.loads(text)
+    notebook = without_records(json.loads(text))
     cells = notebook["cells"]
     first = next((i for i, cell in enumerate(cells) if cell["cell_type"] == "markdown"), None)
-    card = markdown_cell(lesson_card(lesson), "card")
+    card = markdown_cell(lesson_card(lesson, root), "card")
     if first is None:
         cells.insert(0, card)
     else:
@@ -174,6 +203,14 @@ class Course:
             self.targets[lesson["script"]] = (docname(lesson), label(lesson, "script"))
             self.targets[lesson["launcher"]] = (docname(lesson), label(lesson, "launcher"))
 
+    def solutions_toctree(self) -> str:
+        """A hidden toctree of solutions/*.md: the lessons' in course order, then any other."""
+        ordered = [solutions(lesson) for lesson in self.lessons if (self.root / solutions(lesson)).is_file()]
+        others = sorted(path.relative_to(self.root).as_posix() for path in (self.root / "solutions").glob("*.md")
+                        if path.name != "README.md")
+        entries = "\n".join("/" + path.removesuffix(".md") for path in ordered + [p for p in others if p not in ordered])
+        return f"\n\n```{{toctree}}\n:hidden:\n\n{entries}\n```\n"
+
     def days(self) -> dict[int, list[dict]]:
         days: dict[int, list[dict]] = {}
         for lesson in self.lessons:
@@ -198,13 +235,40 @@ class Course:
 def on_source_read(app, name: str, source: list[str]) -> None:
     lesson = app.course.by_doc.get(name)
     if lesson is not None:
-        source[0] = lesson_notebook(source[0], lesson)
+        source[0] = lesson_notebook(source[0], lesson, app.course.root)
+    elif name == "solutions/README":
+        source[0] += app.course.solutions_toctree()
+    elif str(app.env.doc2path(name)).endswith(".ipynb"):
+        source[0] = json.dumps(without_records(json.loads(source[0])))
+
+
+def relative_links_in_outputs(app, doctree) -> None:
+    """A notebook's Markdown outputs (IPython's Markdown()) reach the page with their relative links as plain
+    URLs ('7_mnist_ddp_pt_timing.ipynb'): resolve them as the notebook's own Markdown cells are, to the page
+    (or the lesson page's section) of the file they name."""
+    env = app.env
+    for node in list(doctree.findall(nodes.reference)):
+        uri = node.get("refuri", "")
+        parts = urlsplit(uri)
+        if not uri or parts.scheme or parts.netloc or not parts.path or node.get("internal"):
+            continue
+        path, absolute = env.relfn2path(unquote(parts.path), env.docname)
+        page, anchor = env.path2doc(absolute), parts.fragment or None
+        if page is None:
+            page, anchor = app.course.targets.get(Path(path).as_posix(), (None, None))
+        if page is None:
+            continue  # left as it is: the site's link check reports it
+        xref = addnodes.pending_xref("", refdomain="doc", reftarget=page, reftargetid=anchor, reftype="myst",
+                                     refexplicit=True, refdoc=env.docname)
+        xref += nodes.inline("", "", *node.children)
+        node.replace_self(xref)
 
 
 def on_doctree_read(app, doctree) -> None:
     """Links to a lesson's script or launcher go to that section of its lesson page (before the download
     collector copies the files)."""
     env = app.env
+    relative_links_in_outputs(app, doctree)
     for node in list(doctree.findall(addnodes.download_reference)):
         if node.get("reftype") != "myst":
             continue  # an explicit {download} role stays a download
