@@ -59,21 +59,31 @@ def site(tmp_path_factory):
     """The site, built once for this module by the one command (into a temporary directory)."""
     out = tmp_path_factory.mktemp("site") / "html"
     start = time.monotonic()
-    proc = run([REPO / "scripts/build_site.sh", out], env={"VENV": sys.prefix}, timeout=600)
+    proc = run([REPO / "scripts/build_site.sh", out], env={"VENV": sys.prefix}, timeout=600, check=False)
     seconds = time.monotonic() - start
-    print(f"\nsite built in {seconds:.1f} s")
+    print(f"\nsite built in {seconds:.1f} s (exit code {proc.returncode})")
     return out, proc, seconds
+
+
+@pytest.fixture(scope="module")
+def built(site):
+    """The site's directory, for the checks of its pages: only once it built."""
+    out, proc, _ = site
+    if proc.returncode != 0:
+        pytest.fail("the site did not build: see test_the_site_builds_without_a_warning", pytrace=False)
+    return out
 
 
 def test_the_site_builds_without_a_warning(site):
     out, proc, _ = site
-    assert "WARNING" not in proc.stdout + proc.stderr, proc.stderr
+    assert proc.returncode == 0 and "WARNING" not in proc.stdout + proc.stderr, \
+        f"scripts/build_site.sh exited {proc.returncode}:\n{proc.stdout}{proc.stderr}"
     assert (out / "index.html").is_file() and (out / "docs/index.html").is_file()
 
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=[lesson["id"] for lesson in LESSONS])
-def test_every_lesson_has_its_page(site, lesson):
-    out, _, _ = site
+def test_every_lesson_has_its_page(built, lesson):
+    out = built
     path = out / page(lesson)
     assert path.is_file(), f"no page for lesson {lesson['id']}: {page(lesson)}"
     text = path.read_text()
@@ -117,8 +127,8 @@ def parsed(path: Path) -> Links:
     return links
 
 
-def test_every_link_inside_the_site_works(site):
-    out, _, _ = site
+def test_every_link_inside_the_site_works(built):
+    out = built
     broken = []
     for path in sorted(out.rglob("*.html")):
         if path.relative_to(out).parts[0] == "_static":
@@ -138,9 +148,9 @@ def test_every_link_inside_the_site_works(site):
 
 
 @pytest.fixture
-def served(site):
+def served(built):
     """The built site, served by http.server on 127.0.0.1 (a free port) for one test."""
-    out, _, _ = site
+    out = built
 
     class Quiet(SimpleHTTPRequestHandler):
         def log_message(self, *args):
