@@ -255,7 +255,7 @@ def _record_run(script, args, nproc, nnodes, seconds, before, after, others_arou
             device = "cpu" if ("--device" in args and args[args.index("--device") + 1] == "cpu") or not gpu_count() \
                 else "cuda"
             result = {"lesson": m.get("lesson"), "model": m.get("model"), "batch_per_rank": m.get("batch_size"),
-                      "world_size": m.get("world_size"), "device": device,
+                      "world_size": m.get("world_size"), "device": device, "sync": m.get("sync"),
                       "threads_per_rank": _threads(script, args, nproc) if device == "cpu" else None}
             if "samples_per_second" in m:
                 result.update(samples=m.get("samples_seen"), train_seconds=m["train_seconds"],
