@@ -12,8 +12,9 @@ Wrapping the model in DDP replaces lesson 4's two manual steps:
 The result is the same training run as lesson 4: the same weights after the same steps.  What DDP gives
 here is that result with less code to get wrong.  Its overlap of communication with backward pays off
 when there are many buckets and a backward long enough to hide them (larger models, GPUs); the MLP's
-0.4 MB of gradients fill a single bucket, which can only be sent when backward is done, and on a 2-core
-CPU lesson 4's flat all_reduce was as fast or faster (lesson 5's --compare table, benchmarks/bench.py).
+0.4 MB of gradients fill a single bucket, which can only be sent when backward is done: on a 2-core VM a
+step with lesson 4's flat all_reduce took 1.06x (MLP) and 0.98x (CNN) of DDP's, within the noise of about
+10 % (benchmarks/README.md); lesson 5's --compare measures it in your run, from a few traced steps.
 `device_ids` is passed only on GPUs; on the CPU DDP uses the model where it is.  --batch-size is per rank.
 --loader dataloader (the default) is the loop to write for any dataset: a DataLoader over the
 DistributedSampler; --loader memory gives the same batches in the same order from the in-memory tensors.
