@@ -1,8 +1,9 @@
-"""Profiling plumbing: lesson 5's profiler and scalars behind a `--profile` flag, and reading traces back.
+"""Profiling plumbing: lesson 5's bookkeeping, its profiler behind a `--profile` flag, and reading traces back.
 
-Lesson 5 teaches torch.profiler and SummaryWriter inline; this module repeats the same setup for the lessons
-that only offer it as an option (`--profile` on 4, 6 and 10), and reads the traces back to count what the
-gradient synchronization costs (lesson 5's `--compare` table).
+Lesson 5 teaches torch.profiler and SummaryWriter inline; this module checks its schedule, keeps the extra
+copies of each trace, runs its `--compare` variants and prints their table; it repeats the same profiler
+setup for the lessons that only offer it as an option (`--profile` on 4, 6 and 10), and reads the traces
+back to count what the gradient synchronization costs.
 
 A trace is Chrome's trace-event JSON, {"traceEvents": [{"name", "cat", "ph", "ts", "dur", "tid", "args"},
 ...]}, times in microseconds.  What we read from it:
@@ -12,6 +13,7 @@ A trace is Chrome's trace-event JSON, {"traceEvents": [{"name", "cat", "ph", "ts
   threads or on a CUDA stream; its duration includes waiting for the slowest rank;
 - `autograd::engine::evaluate_function: ...` on the main thread: backward computing gradients.
 """
+import argparse
 import json
 import math
 import shutil
@@ -65,6 +67,112 @@ def clear_previous(log_dir: Path) -> None:
 def view_hint(log_dir, traces="chrome_trace/rank*.json") -> str:
     return (f"view with: tensorboard --logdir {log_dir} --host 127.0.0.1   "
             f"(traces also open in https://ui.perfetto.dev: {Path(log_dir) / traces})")
+
+
+# --- lesson 5's bookkeeping ----------------------------------------------------------------------------
+
+def add_schedule_args(p):
+    """Lesson 5's --log-dir and profiler schedule (--wait, --warmup, --active)."""
+    from course.cli import non_negative_int, positive_int
+
+    p.add_argument("--log-dir", type=Path, default=Path("log_ddp"),
+                   help="where every rank writes its trace and rank 0 its TensorBoard scalars")
+    p.add_argument("--wait", type=non_negative_int, default=1, help="profiler schedule: steps skipped")
+    p.add_argument("--warmup", type=non_negative_int, default=1,
+                   help="profiler schedule: then steps traced and discarded")
+    p.add_argument("--active", type=positive_int, default=3, help="profiler schedule: then steps recorded")
+    return p
+
+
+def _schedule(args) -> str:
+    return f"--wait {args.wait} --warmup {args.warmup} --active {args.active}"
+
+
+def check_schedule(args) -> None:
+    """Before any rank starts: the schedule fits in --max-steps, and the log dir can be written."""
+    from course.cli import CourseError
+
+    profiled = args.wait + args.warmup + args.active
+    if args.max_steps is not None and args.max_steps < profiled:
+        raise CourseError(f"--max-steps {args.max_steps} ends training before the profiler has recorded: its "
+                          f"schedule needs {profiled} steps ({_schedule(args)})")
+    writable_log_dir(args.log_dir)
+
+
+def check_first_epoch(args, steps_per_epoch: int) -> None:
+    """The profiled window must hold training steps only, not an evaluation: all in the first epoch."""
+    from course.cli import CourseError
+
+    profiled = args.wait + args.warmup + args.active
+    first_epoch_steps = min(steps_per_epoch, args.max_steps or math.inf)
+    if first_epoch_steps < profiled:
+        raise CourseError(f"the profiler schedule needs {profiled} training steps ({_schedule(args)}) but the "
+                          f"first epoch has {first_epoch_steps}; raise --max-steps/--train-samples or lower "
+                          f"--active")
+
+
+def profiled_steps(args) -> list:
+    """The training steps the schedule records, counted from 1."""
+    return list(range(args.wait + args.warmup + 1, args.wait + args.warmup + args.active + 1))
+
+
+def cleared(log_dir, rank: int) -> Path:
+    """Rank 0 creates `log_dir` and removes an earlier run's traces and scalars from it (clear_previous)."""
+    log_dir = Path(log_dir)
+    if rank == 0:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        clear_previous(log_dir)
+    return log_dir
+
+
+def save_extras(prof, log_dir: Path, rank: int, args) -> None:
+    """After tensorboard_trace_handler: the trace again under a fixed name (chrome_trace/rank{r}.json, for
+    https://ui.perfetto.dev or chrome://tracing), and the costliest operators (rank{r}.key_averages.txt)."""
+    (log_dir / "chrome_trace").mkdir(exist_ok=True)
+    trace = max(log_dir.glob(f"rank{rank}.*.pt.trace.json"), key=lambda path: path.stat().st_mtime)
+    shutil.copyfile(trace, log_dir / "chrome_trace" / f"rank{rank}.json")
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    (log_dir / f"rank{rank}.key_averages.txt").write_text(table + "\n")
+    if rank == 0:
+        print(f"[rank 0] --sync {args.sync}: the costliest operators of {args.active} profiled steps "
+              f"(prof.key_averages(); every rank's table is in {log_dir}/rank*.key_averages.txt)\n"
+              f"{table}", flush=True)
+
+
+def epoch_scalars(writer, epoch: int, accuracy: float, test_loss: float, seconds: float, samples: int) -> None:
+    """Rank 0's TensorBoard scalars of one epoch: test accuracy and loss, training time and samples/s."""
+    writer.add_scalar("test/accuracy", accuracy, epoch)
+    writer.add_scalar("test/loss", test_loss, epoch)
+    writer.add_scalar("perf/epoch_seconds", seconds, epoch)
+    writer.add_scalar("perf/samples_per_second", samples / seconds, epoch)
+
+
+SYNCS = ("per-param", "flat", "ddp")
+
+
+def variants(args) -> list:
+    """The runs lesson 5 makes: one with args, or with --compare one per --sync, each into its own
+    sub-directory of --log-dir and --run-dir."""
+    if not args.compare:
+        return [args]
+    return [argparse.Namespace(**{**vars(args), "sync": sync, "log_dir": args.log_dir / sync,
+                                  "run_dir": args.run_dir / sync}) for sync in SYNCS]
+
+
+def print_communication(communication: dict, args, world_size: int) -> None:
+    print(f"gradient sync in the profiled steps (mean over {world_size} ranks, from the traces):\n"
+          f"{comm_table({args.sync: communication})}\n{view_hint(args.log_dir)}", flush=True)
+
+
+def print_comparison(rows: dict, args, world_size: int) -> None:
+    """--compare: all three variants in one table, and in run_dir/comparison.json."""
+    from course.output import write_json
+
+    write_json(args.run_dir / "comparison.json", rows)
+    print(f"\ngradient sync, {world_size} ranks, {args.model}, batch {args.batch_size} per rank: mean "
+          f"over ranks and {args.active} profiled steps (comm time includes waiting for the slowest "
+          f"rank)\n{comm_table(rows)}", flush=True)
+    print(view_hint(args.log_dir, traces="*/chrome_trace/rank*.json"), flush=True)
 
 
 class _Off:
