@@ -40,12 +40,13 @@ on, orphans, until something kills them without a checkpoint.  The launcher star
 gives its workers --shutdown-timeout seconds (30 by default) to finish.
 Started with --nproc, the parent passes SIGTERM and SIGUSR1 on to its ranks (course/launch.py).
 
-Resumed, the run is the run that was never interrupted, bit for bit (the tests check it on the CPU): same
+Resumed, the run is the run that was never interrupted, bit for bit (measured on the CPU and on one H100 GPU): same
 data order, same weights, same losses.  That needs deterministic kernels (use_deterministic_algorithms)
 and the same threads per rank.  The checkpoint directory is locked by the run using it: a second run on
 the same --run-dir stops with a message instead of mixing its checkpoints with the first one's.
+The checkpoint files (atomic write, rotation, the newest valid one, the lock) are course/checkpoints.py's.
+Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
-import fcntl
 import os
 import signal
 import socket
@@ -74,79 +75,15 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli
+from course import checkpoints, cli
 from course.evaluate import evaluate
 from course.launch import backend_for, launch, setup_device
 from course.models import build_model
 from course.output import plot_curves, rank_print, save_weights, write_json
 from data_tools.datasets import InMemoryMNIST, batches, require
 
-CHECKPOINT_FORMAT = "12_ddp_fault_tolerance/1"
 # A checkpoint belongs to one training run: resuming with other values of these would be another run.
 SAME_RUN = ("dataset", "model", "batch_size", "lr", "seed", "train_samples")
-
-# ----------------------------------------------------------------------------------------------- checkpoints
-
-def checkpoint_files(directory: Path) -> list:
-    """The checkpoints in `directory`, newest (highest step) first; temporary files are not among them."""
-    return sorted(directory.glob("step-*.pt"), reverse=True)
-
-
-def save_checkpoint(directory: Path, step: int, state: dict, keep: int) -> Path:
-    """Rank 0 only: write to a temporary file, flush it to the disk, rename it into place."""
-    final = directory / f"step-{step:09d}.pt"
-    tmp = directory / f".{final.name}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on the disk before any name points to them
-        os.replace(tmp, final)    # atomic: readers see the previous checkpoints, or these and the new one
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # and the rename itself survives a crash of the node
-    finally:
-        os.close(fd)
-    for old in checkpoint_files(directory)[keep:]:  # the newest `keep`: one more in case the newest is damaged
-        old.unlink(missing_ok=True)
-    return final
-
-
-def newest_valid_checkpoint(directory: Path, rank: int):
-    """Rank 0: the newest checkpoint that loads and is complete, or None.  Damaged ones are skipped."""
-    for path in checkpoint_files(directory):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-                raise ValueError("not a checkpoint of this lesson")
-            return path
-        except Exception as e:  # truncated zip, garbage, a foreign pickle: all mean "do not resume from it"
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            rank_print(rank, f"skipping checkpoint {path} (torn or invalid: {reason[:120]})")
-    return None
-
-
-def lock_run_dir(directory: Path):
-    """Rank 0: hold an exclusive lock on the checkpoint dir while training, or stop with a message."""
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = open(directory / ".lock", "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the kernel when this process ends
-    except OSError:
-        lock.seek(0)
-        holder = lock.read().strip() or "another process"
-        lock.close()
-        raise cli.CourseError(f"{directory} is used by another run ({holder}); wait for it to end, or give this "
-                              f"run its own --run-dir") from None
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    lock.flush()
-    return lock
-
 
 # ----------------------------------------------------------------------------------------------- training
 
@@ -157,10 +94,10 @@ def worker(info, args):
     # a GPU op without a deterministic version, e.g. the CNN's max-pool backward, warns instead of failing)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
-    checkpoints = args.checkpoint_dir or args.run_dir / "checkpoints"
-    lock = lock_run_dir(checkpoints) if rank == 0 else None  # before init: a second run stops right here
+    directory = args.checkpoint_dir or args.run_dir / "checkpoints"
+    lock = checkpoints.lock(directory) if rank == 0 else None  # before init: a second run stops right here
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout))  # DIST: join the process group
     signal.signal(signal.SIGTERM, on_stop_signal)  # after init: until here SIGTERM simply ends the process
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) + int(os.environ.get("SLURM_RESTART_COUNT", 0))
     rank_print(rank, f"pid {os.getpid()} on {socket.gethostname()} ({info.launcher}, restart {restarts})")
@@ -174,19 +111,19 @@ def worker(info, args):
     state = {"epoch": 0, "batches_done": 0, "step": 0, "loss_per_step": [], "evaluations": [], "stops": [],
              "resumed_at": [], "train_seconds": 0.0}
 
-    # DDP: rank 0 picks the checkpoint and tells the others: every rank must resume from the same one
+    # DIST: rank 0 picks the checkpoint and tells the others: every rank must resume from the same one
     chosen = [None]
     if rank == 0:
         if args.fresh:
-            for old in checkpoint_files(checkpoints):
+            for old in checkpoints.files(directory):
                 old.unlink()
-        chosen = [newest_valid_checkpoint(checkpoints, rank)]
+        chosen = [checkpoints.newest_valid(directory)]  # a torn or foreign file is reported and skipped
     dist.broadcast_object_list(chosen, src=0)
     if chosen[0] is not None:
-        saved = torch.load(chosen[0], map_location=device, weights_only=True)  # DDP: onto this rank's device
+        saved = torch.load(chosen[0], map_location=device, weights_only=True)  # DIST: onto this rank's device
         if saved["run"] != run:
             differ = ", ".join(f"{k} {saved['run'].get(k)} -> {v}" for k, v in run.items() if saved["run"].get(k) != v)
-            raise cli.CourseError(f"the checkpoints in {checkpoints} are of another run ({differ}); resume with "
+            raise cli.CourseError(f"the checkpoints in {directory} are of another run ({differ}); resume with "
                                   f"the same settings, or start over with --fresh or another --run-dir")
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
@@ -204,11 +141,12 @@ def worker(info, args):
     def checkpoint():
         """Every rank calls it (the RNG states are gathered); rank 0 writes."""
         rng = [None] * world_size
-        dist.all_gather_object(rng, {"cpu": torch.get_rng_state(),  # DDP: each rank's stream, for rank 0
+        dist.all_gather_object(rng, {"cpu": torch.get_rng_state(),  # DIST: each rank's stream, for rank 0
                                      "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None})
         if rank == 0:
-            path = save_checkpoint(checkpoints, state["step"], {
-                "format": CHECKPOINT_FORMAT, "run": run, **state,
+            # written to a temporary file, flushed to the disk and renamed: a crash leaves the previous one
+            path = checkpoints.save(directory, state["step"], {
+                "format": checkpoints.FORMAT, "run": run, **state,
                 "model": {k: v.detach().cpu() for k, v in model.module.state_dict().items()},
                 "optimizer": optimizer.state_dict(), "sampler_seed": args.seed,
                 "rng": {"cpu": [r["cpu"] for r in rng],
@@ -231,7 +169,7 @@ def worker(info, args):
             optimizer.step()
             if args.step_sleep:
                 time.sleep(args.step_sleep)
-            # DDP: one all_reduce per step carries the loss (summed) and the stop requests (counted), so that
+            # DIST: one all_reduce per step carries the loss (summed) and the stop requests (counted), so that
             # every rank sees the same decision after the same step, whichever rank got the signal
             status = torch.stack([loss.detach().float(), torch.tensor(float(stop_signal is not None), device=device)])
             dist.all_reduce(status)
@@ -242,7 +180,7 @@ def worker(info, args):
             if rank == 0 and state["step"] % args.log_every == 0:
                 rank_print(rank, f"step {state['step']} (epoch {epoch}, batch {state['batches_done']}/{per_epoch}): "
                                  f"loss {state['loss_per_step'][-1]:.4f}")
-            if asked:  # DDP: every rank is here, after the same step: who got which signal, for the record
+            if asked:  # DIST: every rank is here, after the same step: who got which signal, for the record
                 got = [None] * world_size
                 dist.all_gather_object(got, signal.Signals(stop_signal).name if stop_signal else None)
                 stopped = {"step": state["step"], "signals": {r: s for r, s in enumerate(got) if s}}
@@ -265,7 +203,7 @@ def worker(info, args):
                 state["epoch"], state["batches_done"] = epoch + 1, 0
     state["train_seconds"] += time.perf_counter() - segment_start
     path = checkpoint()  # at the stop or at the end: the newest state is always on the disk
-    dist.barrier()  # DDP: nobody leaves before rank 0 has written it (srun would stop the job early)
+    dist.barrier()  # DIST: nobody leaves before rank 0 has written it (srun would stop the job early)
     if stopped is not None:
         if rank == 0:
             got = ", ".join(f"{name} to rank {r}" for r, name in stopped["signals"].items())
@@ -274,7 +212,7 @@ def worker(info, args):
         dist.destroy_process_group()
         return
 
-    if rank == 0:  # DDP: global rank 0 alone writes the shared files
+    if rank == 0:  # DIST: global rank 0 alone writes the shared files
         last = state["evaluations"][-1] if state["evaluations"] else {"test_accuracy": None, "test_loss": None}
         steps, global_batch, seconds = state["step"], world_size * args.batch_size, state["train_seconds"]
         out = args.run_dir
@@ -313,19 +251,6 @@ def build_parser():
     return p
 
 
-def check_args(args):
-    if args.step_sleep < 0:
-        raise cli.CourseError(f"--step-sleep {args.step_sleep:g}: must be 0 or more seconds")
-    if args.checkpoint_dir is not None:
-        try:
-            args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            if not os.access(args.checkpoint_dir, os.W_OK):
-                raise PermissionError("not writable")
-        except OSError as e:
-            raise cli.CourseError(f"checkpoint dir {args.checkpoint_dir} cannot be written "
-                                  f"({e.strerror or e}); choose another with --checkpoint-dir") from None
-
-
 if __name__ == "__main__":
-    cli.main(lambda args: (check_args(args), require(args.dataset, args.data_dir), launch(worker, args)),
+    cli.main(lambda args: (checkpoints.check_dir(args), require(args.dataset, args.data_dir), launch(worker, args)),
              build_parser())
