@@ -9,6 +9,7 @@ No dataset: random images and labels, generated in memory.  In under a minute it
 before the real lessons: processes start and find each other, DDP synchronizes gradients, torch.profiler
 writes one trace per rank (`rank{r}.<time>.pt.trace.json`), rank 0 writes TensorBoard scalars, and
 `tensorboard --logdir ./log --host 127.0.0.1` shows them.  Lesson 5 explains what the traces show.
+Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import sys
 import time
@@ -38,21 +39,21 @@ def worker(info, args):
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout))  # DIST: join the process group
     generator = torch.Generator().manual_seed(0)  # the same dummy dataset on every rank
     images = torch.randn(args.samples, 1, 28, 28, generator=generator)
     labels = torch.randint(0, 10, (args.samples,), generator=generator)
     dataset = TensorDataset(images, labels)
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)  # DDP: shards
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
 
-    model = DDP(build_model("mlp", seed=0).to(device),
+    model = DDP(build_model("mlp", seed=0).to(device),  # DDP: same start, gradients averaged in backward
                 device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if rank == 0:
         args.log_dir.mkdir(parents=True, exist_ok=True)
         clear_previous(args.log_dir)  # TensorBoard would merge an earlier run's files with ours
-    dist.barrier()
+    dist.barrier()  # DIST: nobody writes a trace before rank 0 has cleared the old ones
     writer = None
     if rank == 0:
         from torch.utils.tensorboard import SummaryWriter
@@ -84,7 +85,7 @@ def worker(info, args):
     seconds = time.perf_counter() - start
     rank_print(rank, f"{step} steps in {seconds:.1f} s; trace of steps "
                      f"{WAIT + WARMUP + 1}-{WAIT + WARMUP + ACTIVE} in {args.log_dir}")
-    dist.barrier()  # every rank's trace is written
+    dist.barrier()  # DIST: every rank's trace is written
     if rank == 0:
         writer.add_scalar("perf/samples_per_second", step * world_size * args.batch_size / seconds, 0)
         writer.close()

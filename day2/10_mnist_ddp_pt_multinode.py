@@ -10,7 +10,7 @@ On one machine:
     torchrun --standalone --nproc_per_node=4 day2/10_mnist_ddp_pt_multinode.py --quick
 
 The training is lesson 6's, unchanged: DDP neither knows nor cares which ranks share a node, and W ranks on
-two nodes train exactly like W ranks on one (the tests compare the weights).  What changes is who does what:
+two nodes train exactly like W ranks on one (they end with the same weights).  What changes is who does what:
 - the local rank (0 .. ranks per node - 1) picks the device, cuda:<local rank> on every node; the global
   rank would ask node 2 for GPUs 4..7, which it does not have;
 - global rank 0, one process in the whole job, writes the shared outputs (metrics, weights, plot) to the
@@ -18,7 +18,8 @@ two nodes train exactly like W ranks on one (the tests compare the weights).  Wh
 - local rank 0 of each node is the one for per-node work (here a line per node; on a real cluster e.g.
   copying the data to the node's local disk once).
 Ranks come from srun or torchrun, read as lesson 9 showed.  Started with plain python, it says how to launch.
---batch-size is per rank.
+--batch-size is per rank; --loader as in lesson 6.
+Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import socket
 import sys
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from course import cli
@@ -46,14 +48,14 @@ from data_tools.datasets import InMemoryMNIST, batches, require
 def worker(info, args):
     # info: rank, local rank, node and world size from srun's or torchrun's variables (lesson 9)
     rank, world_size = info.rank, info.world_size
-    device = setup_device(args.device, info.local_rank)  # DDP: the LOCAL rank picks this node's GPU
+    device = setup_device(args.device, info.local_rank)  # DIST: the LOCAL rank picks this node's GPU
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout))  # DIST: join the process group
     host = socket.gethostname()
     placement = [None] * world_size
-    dist.all_gather_object(placement, (info.node_rank, host, info.local_rank))  # who runs where
+    dist.all_gather_object(placement, (info.node_rank, host, info.local_rank))  # DIST: who runs where
     nodes = len({node for node, _, _ in placement})
-    if info.local_rank == 0:  # DDP: one process per node: the place for per-node work
+    if info.local_rank == 0:  # DIST: one process per node: the place for per-node work
         ranks = [r for r, (node, _, _) in enumerate(placement) if node == info.node_rank]
         rank_print(rank, f"local rank 0 of node {info.node_rank} ({host}), which runs global ranks {ranks}; "
                          f"my device {device}")
@@ -67,12 +69,17 @@ def worker(info, args):
                 bucket_cap_mb=args.bucket_cap_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
+    # DDP: rank r gets every W-th index of the epoch's shuffled order; padded so all shards are equal
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    if args.loader == "dataloader":  # the loop to write for your own dataset
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    else:  # the same batches, each gathered from the in-memory tensors at once (data_tools/datasets.py)
+        loader = batches(train_set, sampler, args.batch_size)
     prof = maybe_profile(args, rank, device)  # --profile: lesson 5's traces and TensorBoard scalars
     losses, step, start = [], 0, time.perf_counter()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
-        for x, y in batches(train_set, sampler, args.batch_size):
+        for x, y in loader:
             loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad()
             loss.backward()  # DDP: gradients arrive averaged over ranks when backward returns
@@ -94,9 +101,9 @@ def worker(info, args):
     rank_print(rank, f"{step} steps on {len(sampler)} samples per epoch in {seconds:.1f} s")
 
     losses = torch.stack(losses)
-    dist.all_reduce(losses)  # DDP: the loss of each global batch, averaged over ranks (one call at the end)
+    dist.all_reduce(losses)  # DIST: the loss of each global batch, averaged over ranks (one call at the end)
     losses = (losses / world_size).tolist()
-    if rank == 0:  # DDP: GLOBAL rank 0 alone writes the shared files (local rank 0 exists on every node)
+    if rank == 0:  # DIST: GLOBAL rank 0 alone writes the shared files (local rank 0 exists on every node)
         global_batch = world_size * args.batch_size
         samples = min(step * global_batch, args.epochs * world_size * len(sampler))
         run = args.run_dir
@@ -118,7 +125,7 @@ def worker(info, args):
 
 
 def build_parser():
-    p = cli.add_distributed(cli.parser(__doc__, "day2/10_mnist_ddp_pt_multinode.py"))
+    p = cli.add_loader(cli.add_distributed(cli.parser(__doc__, "day2/10_mnist_ddp_pt_multinode.py")))
     p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0,
                    help="DDP's gradient bucket size in MB (the MLP's gradients are 0.4 MB: one bucket)")
     return add_profile_args(p)

@@ -25,6 +25,7 @@ node 2 itself, and its ranks would wait for a rank 0 that is not there.
   rank 0 runs on the first node of the node list, which `scontrol show hostnames` expands;
 - torchrun (one agent per node) sets RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK and MASTER_ADDR/PORT itself.
 Started with plain python, outside both, there is nothing to join: the lesson says how to launch and stops.
+Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import os
 import socket
@@ -51,14 +52,14 @@ def where_am_i():
     """
     env = os.environ
     if all(k in env for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
-        # DDP: torchrun (alone, or one per node under srun) agreed on everything in its rendezvous
+        # DIST: torchrun (alone, or one per node under srun) agreed on everything in its rendezvous
         return (int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]), int(env["GROUP_RANK"]),
                 "torchrun")
     if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:  # inside an srun step, not a batch shell
-        rank = int(env["SLURM_PROCID"])         # DDP: 0 .. W-1 over all nodes of the step
-        local_rank = int(env["SLURM_LOCALID"])  # DDP: 0 .. (tasks on this node) - 1: picks the GPU
-        world_size = int(env["SLURM_NTASKS"])   # DDP: tasks in this step
-        node = int(env["SLURM_NODEID"])         # DDP: this node's index in the node list
+        rank = int(env["SLURM_PROCID"])         # DIST: 0 .. W-1 over all nodes of the step
+        local_rank = int(env["SLURM_LOCALID"])  # DIST: 0 .. (tasks on this node) - 1: picks the GPU
+        world_size = int(env["SLURM_NTASKS"])   # DIST: tasks in this step
+        node = int(env["SLURM_NODEID"])         # DIST: this node's index in the node list
         if "MASTER_ADDR" not in env:  # multinode_setup_and_run.sh exports it; a plain srun does not
             nodelist = env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]  # e.g. "node[1-2]"
             try:
@@ -67,8 +68,8 @@ def where_am_i():
             except (OSError, subprocess.SubprocessError) as e:  # never fall back to localhost silently
                 raise cli.CourseError(f"cannot expand the node list {nodelist!r} with scontrol ({e}); "
                                       f"export MASTER_ADDR=<first node's hostname>") from None
-            env["MASTER_ADDR"] = hosts[0]  # DDP: rank 0 runs on the first node of the list
-        # DDP: the same on every rank, different for two jobs sharing a node; never a fixed port
+            env["MASTER_ADDR"] = hosts[0]  # DIST: rank 0 runs on the first node of the list
+        # DIST: the same on every rank, different for two jobs sharing a node; never a fixed port
         env.setdefault("MASTER_PORT", str(10_000 + int(env["SLURM_JOB_ID"]) % 20_000))
         return rank, local_rank, world_size, node, "srun"
     return None
@@ -81,16 +82,16 @@ def run(args):
     rank, local_rank, world_size, node, launcher = who
     device = setup_device(args.device, local_rank)  # the local rank picks this node's GPU (lesson 1)
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout))  # DIST: join the process group
     host = socket.gethostname()
     value = torch.tensor([float(rank + 1)], device=device)
     rank_print(rank, f"local rank {local_rank} on node {node} ({host}) of world size {world_size}, "
                      f"{launcher}, {device}: my value is {value.item():g}")
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # DDP: the values of all ranks, on all nodes
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # DIST: the values of all ranks, on all nodes
     rank_print(rank, f"all_reduce(SUM) = {value.item():g}, mean = {value.item() / world_size:g}")
 
     placement = [None] * world_size
-    dist.all_gather_object(placement, (rank, local_rank, node, host))  # who runs where, for the summary
+    dist.all_gather_object(placement, (rank, local_rank, node, host))  # DIST: who runs where
     if rank == 0:
         nodes = sorted({(n, h) for _, _, n, h in placement})
         print(f"{world_size} ranks on {len(nodes)} node(s), launched by {launcher}; rank 0 listened on "
