@@ -26,11 +26,11 @@
 # %%
 from nbhelpers import *
 
-# The one switch. False: --quick, 2 pretend nodes x 1 CPU rank on this machine.
+# The one switch. False: --quick, 2 pretend nodes x 2 CPU ranks on this machine.
 # True: full epochs, 2 pretend nodes x (GPUs of this node / 2) ranks (on a cluster, use Slurm: see above).
 FULL_SIZE = False
 SIZE = [] if FULL_SIZE else ["--quick"]
-PER_NODE = max(1, gpu_count() // 2) if FULL_SIZE else 1
+PER_NODE = max(1, gpu_count() // 2) if FULL_SIZE else 2
 # a GPU per rank (each pretend node gets GPUs of its own), or every rank on the CPU
 DEVICE = [] if gpu_count() >= 2 * PER_NODE else ["--device", "cpu"]
 RUN = run_dir("10_mnist_ddp_pt_multinode")
@@ -52,9 +52,11 @@ show_diff("day1/6_mnist_ddp_pt.py", "day2/10_mnist_ddp_pt_multinode.py")
 
 # %% [markdown]
 # ## Run it on two pretend nodes
+#
+# Watch the lines from each node's local rank 0, and which rank writes the files.
 
 # %%
-run_lesson("day2/10_mnist_ddp_pt_multinode.py", *SIZE, *DEVICE, "--run-dir", RUN / "two_nodes",
+out = run_lesson("day2/10_mnist_ddp_pt_multinode.py", *SIZE, *DEVICE, "--run-dir", RUN / "two_nodes",
            nproc=PER_NODE, nnodes=2)
 
 # %% [markdown]
@@ -79,6 +81,10 @@ ax.plot(two["loss_per_step"], lw=1, label=f"{two['world_size']} ranks on {two['n
 ax.set(xlabel="step", ylabel="training loss (mean over ranks)", title="placement does not change training")
 ax.legend()
 plt.show()
+local_zeros = sorted(p["rank"] for p in two["placement"] if p["local_rank"] == 0)
+md(f"Local rank 0 exists once per node: global ranks {', '.join(map(str, local_zeros))} here, each of which printed "
+   f"its node's line. Global rank 0 exists once in the whole job: global rank {two['written_by'][0]} wrote the "
+   f"metrics, the weights and the plot, once for {two['world_size']} ranks on {two['nodes']} nodes.")
 w1, w2 = load_weights(REPO / RUN / "one_node" / "model.pt"), load_weights(REPO / RUN / "two_nodes" / "model.pt")
 worst = max(((w1[k] - w2[k]).abs().max() / w1[k].abs().max()).item() for k in w1)
 print(f"largest weight difference between the two runs: {worst:.1e} of the largest weight")
@@ -88,9 +94,14 @@ if not FULL_SIZE:
 # %% [markdown]
 # ## Try it yourself
 #
-# - Change `PER_NODE` to 2: 2 nodes x 2 ranks, and the placement shows local ranks 0 and 1 on each node.
-# - On a cluster with GPUs, `NCCL_DEBUG=INFO` shows which network NCCL uses between the nodes (InfiniBand
-#   or sockets); `NCCL_SOCKET_IFNAME` picks the interface when it guesses wrong.
+# Solutions, with the commands and what they print: [`solutions/10_mnist_ddp_pt_multinode.md`](../solutions/10_mnist_ddp_pt_multinode.md).
+#
+# 1. Change `PER_NODE` to 1 in the first cell: 2 nodes x 1 rank. You should see every rank print a
+#    "local rank 0 of node ..." line (each is alone on its node) and still only global rank 0 write the
+#    files; the weights still match the 2-rank run on one node.
+# 2. On a cluster with GPUs (or any cluster): `NCCL_DEBUG=INFO` before the launcher. You should see
+#    `NCCL INFO` lines naming the network NCCL uses between the nodes (`NET/IB` for InfiniBand, `NET/Socket`
+#    for TCP, with the interface); `NCCL_SOCKET_IFNAME` picks the interface when it guesses wrong.
 #
 # Next: [lesson 11](11_mnist_ddp_pt_multinode_streaming.ipynb): a dataset too large for memory, streamed
 # from an HDF5 file.

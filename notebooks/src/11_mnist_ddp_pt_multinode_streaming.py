@@ -34,11 +34,11 @@
 # %%
 from nbhelpers import *
 
-# The one switch. False: --quick, 2 pretend nodes x 1 CPU rank, a file written into this notebook's run dir.
+# The one switch. False: --quick, 2 pretend nodes x 2 CPU ranks, a file written into this notebook's run dir.
 # True: full epochs, 2 pretend nodes x (GPUs / 2) ranks, the file in the data dir (made once, then reused).
 FULL_SIZE = False
 SIZE = [] if FULL_SIZE else ["--quick"]
-PER_NODE = max(1, gpu_count() // 2) if FULL_SIZE else 1
+PER_NODE = max(1, gpu_count() // 2) if FULL_SIZE else 2
 # a GPU per rank (each pretend node gets GPUs of its own), or every rank on the CPU
 DEVICE = [] if gpu_count() >= 2 * PER_NODE else ["--device", "cpu"]
 RUN = run_dir("11_mnist_ddp_pt_multinode_streaming")
@@ -108,8 +108,14 @@ assert m["replicas_identical"] and m["per_epoch"][0]["seen_once"] == n_samples
 # %% [markdown]
 # ## Try it yourself
 #
-# - `--workers 0` against `--workers 2`: who reads the file, and how long the ranks wait for data.
-# - A file with `--chunk-samples 100`: a finer shuffle, more reads.
-# - `--source memory` trains on the same chunks in the same order from memory: the weights match.
+# Solutions, with the commands and what they print: [`solutions/11_mnist_ddp_pt_multinode_streaming.md`](../solutions/11_mnist_ddp_pt_multinode_streaming.md).
+#
+# 1. `--workers 2` (DataLoader worker processes read the file instead of each rank's main process). You
+#    should see the same samples trained on, each once per epoch (`seen_once` = all samples), and a
+#    different `time waiting for data` per rank.
+# 2. A file written with `--chunk-samples 100`, then lesson 11 with `--h5-file` pointing at it. You should
+#    see 128 chunks in epoch 0 instead of 13, still each sample exactly once.
+# 3. `--source memory`: the same chunks in the same order, from memory. You should see the same losses and
+#    the same final weights as from the file.
 #
 # Next: [lesson 12](12_ddp_fault_tolerance.ipynb): surviving time limits, preemption and crashes.

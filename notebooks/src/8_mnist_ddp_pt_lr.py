@@ -56,15 +56,16 @@ run_lesson("day1/8_mnist_ddp_pt_lr.py", "--nproc", NPROC, *SIZE, *DEVICE, "--run
 # ## And the same without scaling
 #
 # `--no-scale` keeps the base learning rate. This run goes to its own directory, with a copy of the
-# reference curve so that the script compares against the same reference instead of making it again. It
-# runs under torchrun, which never makes a reference itself.
+# reference curve so that the script compares against the same reference instead of making it again (and
+# of the scaled run's gap, so that it prints both side by side). It runs under torchrun, which never makes a
+# reference itself.
 
 # %%
 import shutil
 
 NO_SCALE = run_dir("8_mnist_ddp_pt_lr/no-scale")
-for reference in (REPO / RUN).glob("reference_ws1_*.csv"):
-    shutil.copy(reference, REPO / NO_SCALE)
+for kept in [*(REPO / RUN).glob("reference_ws1_*.csv"), *(REPO / RUN).glob("gaps.json")]:
+    shutil.copy(kept, REPO / NO_SCALE)  # the same reference, and the scaled run's gap to compare with
 run_lesson("day1/8_mnist_ddp_pt_lr.py", *SIZE, *DEVICE, "--no-scale", "--run-dir", NO_SCALE, nproc=NPROC)
 
 # %% [markdown]
@@ -100,17 +101,29 @@ for m, style in ((scaled, "-"), (unscaled, "--")):
             label=f"{m['world_size']} ranks x batch {m['batch_size']}, lr {m['lr']:g}"
                   + ("" if m["scaled"] else " (not scaled)"))
 ax.set(xlabel="samples seen (all ranks)", ylabel="training loss (moving mean)",
-       title="scaled learning rate tracks the 1-process curve; unscaled lags")
+       title="against the 1-process curve at equal samples seen")
 ax.legend()
 plt.show()
 show_table([{"run": "scaled lr" if m["scaled"] else "base lr", "world size": m["world_size"], "lr": m["lr"],
              "max gap to reference": m["deviation"]["max_abs"], "mean gap (+ = behind)": m["deviation"]["mean"],
              "test accuracy": m["test_accuracy"]} for m in (scaled, unscaled)])
+behind_scaled, behind_unscaled = scaled["deviation"]["mean"], unscaled["deviation"]["mean"]
+md(f"On average over the curve, the run with the scaled lr {scaled['lr']:g} is {behind_scaled:+.4f} behind the "
+   f"1-process loss and the run with the base lr {unscaled['lr']:g} {behind_unscaled:+.4f} (+ = higher loss, "
+   f"behind). " + (f"The unscaled run lags {behind_unscaled / behind_scaled:.0f}x as far as the scaled one."
+                   if behind_scaled > 0 and behind_unscaled > behind_scaled else
+                   "The unscaled run lags further than the scaled one." if behind_unscaled > behind_scaled else
+                   "Here the unscaled run does not lag further than the scaled one: look at the curves."))
 
 # %% [markdown]
 # ## Try it yourself
 #
-# - `--nproc 4`: the unscaled curve lags further; the scaled one needs the warm-up more.
-# - `--warmup-steps 20` at 4 ranks, and compare the first few hundred samples.
+# Solutions, with the commands and what they print: [`solutions/8_mnist_ddp_pt_lr.md`](../solutions/8_mnist_ddp_pt_lr.md).
+#
+# 1. `--nproc 4 --no-scale` (with `--quick`, in the same `--run-dir` as a `--nproc 2 --no-scale` run, so
+#    that both use one reference). You should see the 4-rank run lag further (a larger "on average ...
+#    behind" in its last lines) than the 2-rank run: 4 ranks take 4 times fewer steps of the same length.
+# 2. `--nproc 4` with the scaled lr (the default): you should see it stay much closer to the reference than
+#    the unscaled 4-rank run: lr x 4 makes up for the 4 times fewer steps.
 #
 # Next: day 2, [lesson 9](9_torch_dist_multi_node.ipynb): the ranks leave the single machine.

@@ -115,8 +115,14 @@ else:
 # %% [markdown]
 # ## Try it yourself
 #
-# - In two terminals, the two torchrun commands from the script's docstring: start one, wait, start the
-#   other. The first waits at the rendezvous until the second arrives.
-# - On a cluster: `salloc --nodes 2 ...` and `./day2/multinode_setup_and_run.sh 9_torch_dist_multi_node.py`.
+# Solutions, with the commands and what they print: [`solutions/9_torch_dist_multi_node.md`](../solutions/9_torch_dist_multi_node.md).
+#
+# 1. In two terminals, the two torchrun commands printed above (`--node_rank=0` and `--node_rank=1`, the same
+#    free `--master_port`): start one, wait, start the other. You should see the first print nothing until
+#    the second arrives (it waits at the rendezvous), then both nodes' ranks print `all_reduce(SUM) = 10,
+#    mean = 2.5`.
+# 2. On a cluster: `salloc --nodes 2 --ntasks-per-node=4 ...` and
+#    `./day2/multinode_setup_and_run.sh 9_torch_dist_multi_node.py`. You should see 8 ranks on 2 host names,
+#    local ranks 0-3 on each, and `mean = 4.5` on every rank.
 #
 # Next: [lesson 10](10_mnist_ddp_pt_multinode.ipynb): DDP training across nodes.
