@@ -109,7 +109,7 @@ def worker(info, args):
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     everyone = [torch.empty_like(weights) for _ in range(world_size)]
     dist.all_gather(everyone, weights)  # DIST: every rank's weights, to check that they are still identical
-    identical = all(torch.equal(w, everyone[0]) for w in everyone)
+    identical = all(torch.allclose(w, everyone[0], rtol=0, atol=0, equal_nan=True) for w in everyone)
     losses = torch.stack(losses)
     dist.all_reduce(losses)  # DIST: the loss of each global batch, averaged over ranks (one call at the end)
     losses = (losses / world_size).tolist()
@@ -129,7 +129,7 @@ def worker(info, args):
         plot_curves(run / "loss.png", {f"{args.precision}, {world_size} ranks": (range(1, step + 1), losses)},
                     "step", "training loss (mean over ranks)", f"{args.model}, global batch {global_batch}")
         print(f"{world_size} ranks x batch {args.batch_size} = global batch {global_batch}, {args.precision}: "
-              f"test accuracy {accuracy:.4f}; {len(skipped)} steps skipped; weights identical on all ranks: "
+              f"test accuracy {accuracy:.4f}; skipped steps {skipped}; weights identical on all ranks: "
               f"{identical}; outputs in {run}", flush=True)
     dist.destroy_process_group()
 
