@@ -113,7 +113,11 @@ plt.show()
 # %% [markdown]
 # ## Try it yourself
 #
-# - `--compression gzip`: a smaller file, and every read costs CPU.
-# - `--chunk-samples 100`, then lesson 11 with `--h5-file` pointing at it.
+# Solutions, with the commands and what they print: [`solutions/create_mnist_h5.md`](../solutions/create_mnist_h5.md).
+#
+# 1. `--compression gzip` (and another `--output`): you should see a smaller file than the one above, and
+#    the chunk-by-chunk read of the last cell take longer: every read now decompresses.
+# 2. `--chunk-samples 100`: you should see 600 chunks for the training images instead of 60; then lesson 11
+#    with `--h5-file` pointing at it (its notebook's exercise 2).
 #
 # Back to [lesson 11](11_mnist_ddp_pt_multinode_streaming.ipynb).

@@ -41,7 +41,8 @@ draw_profiler_schedule(wait=1, warmup=1, active=3, steps=STEPS)
 #
 # Its default log dir is `./log`, as in the original workshop; here `--log-dir` keeps the notebook's files
 # apart. (Without a GPU, PyTorch's CUDA build prints `gpuGetDeviceCount failed with code 35` when the
-# profiler stops: harmless.)
+# profiler stops, and the profiler prints `USDT: ... profiler_start/profiler_stop` lines: harmless, so the
+# notebook hides them; in a terminal you will see them.)
 
 # %%
 out = run_lesson("day1/test-profile.py", *DEVICE, "--steps", STEPS, "--log-dir", LOG, nproc=NPROC)
@@ -91,4 +92,5 @@ print("scalars:", events.Tags()["scalars"])
 # then http://127.0.0.1:6006, tab **PyTorch Profiler** (it needs `pip install torch-tb-profiler`, which is
 # in requirements.txt; the page loads Google Charts, so the browser needs internet). In JupyterLab:
 # `%load_ext tensorboard` and `%tensorboard --logdir ../runs/notebooks/test-profile/log --host 127.0.0.1`.
-# On a cluster, run TensorBoard on the compute node and open it through an SSH tunnel (see the README).
+# On a cluster, run TensorBoard on the compute node and open it through an SSH tunnel (see
+# [Profiling: viewing on a cluster](../docs/learners/profiling.md#viewing-on-a-cluster)).
