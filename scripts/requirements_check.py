@@ -78,10 +78,13 @@ def parse(line: str):
 
 
 def installed_version(name: str):
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    # Python < 3.10 finds "torch_tb_profiler-0.4.3.dist-info" only under its file name's spelling
+    for spelling in dict.fromkeys([name, re.sub(r"[-_.]+", "_", name), re.sub(r"[-_.]+", "-", name)]):
+        try:
+            return importlib.metadata.version(spelling)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
 
 
 def unmet(files) -> list:
