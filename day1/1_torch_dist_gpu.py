@@ -35,8 +35,8 @@ def worker(info, args):
         device = torch.device("cuda", info.local_rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(args.backend, rank=info.rank, world_size=info.world_size,
-                            timeout=timedelta(seconds=args.timeout))  # DIST: join the process group
+    dist.init_process_group(args.backend, rank=info.rank, world_size=info.world_size,  # DIST: join the group
+                            timeout=timedelta(seconds=args.timeout))
     value = torch.tensor([float(info.rank + 1)], device=device)  # NCCL reduces tensors in GPU memory
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     rank_print(info.rank, f"of {info.world_size} on {device} ({where}): my value is {value.item():g}")

@@ -38,8 +38,8 @@ WAIT, WARMUP, ACTIVE = 1, 1, 3  # the profiler schedule: skip 1 step, trace 1 an
 def worker(info, args):
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)
-    dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))  # DIST: join the process group
+    dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
+                            timeout=timedelta(seconds=args.timeout))
     generator = torch.Generator().manual_seed(0)  # the same dummy dataset on every rank
     images = torch.randn(args.samples, 1, 28, 28, generator=generator)
     labels = torch.randint(0, 10, (args.samples,), generator=generator)

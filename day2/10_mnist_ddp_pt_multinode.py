@@ -49,8 +49,8 @@ def worker(info, args):
     # info: rank, local rank, node and world size from srun's or torchrun's variables (lesson 9)
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)  # DIST: the LOCAL rank picks this node's GPU
-    dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))  # DIST: join the process group
+    dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
+                            timeout=timedelta(seconds=args.timeout))
     host = socket.gethostname()
     placement = [None] * world_size
     dist.all_gather_object(placement, (info.node_rank, host, info.local_rank))  # DIST: who runs where

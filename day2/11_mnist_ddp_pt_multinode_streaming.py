@@ -133,8 +133,8 @@ def worker(info, args):
     # info: rank, local rank, node and world size from srun's or torchrun's variables (lesson 9)
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)  # DIST: the LOCAL rank picks this node's GPU
-    dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))  # DIST: join the process group
+    dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
+                            timeout=timedelta(seconds=args.timeout))
     host = socket.gethostname()
     placement = [None] * world_size
     dist.all_gather_object(placement, (info.node_rank, host, info.local_rank))  # DIST: who runs where
@@ -198,7 +198,7 @@ def worker(info, args):
         # the ranks that stopped early missed the last steps.  Take it from the last such rank, as join() does.
         last = max(r for r in range(world_size) if steps[r] == max(steps))
         for p in model.parameters():
-            dist.broadcast(optimizer.state[p]["momentum_buffer"], src=last)
+            dist.broadcast(optimizer.state[p]["momentum_buffer"], src=last)  # DDP: the same momentum everywhere
         done += max(steps)
         losses.append(epoch_losses)
         summary = counts.end_epoch(epoch, steps, len(chunks), world_size)  # DIST: counts summed over ranks
@@ -218,14 +218,14 @@ def worker(info, args):
     state = torch.cat([t.detach().reshape(-1) for p in model.parameters()
                        for t in (p, optimizer.state[p]["momentum_buffer"])])
     states = [torch.empty_like(state) for _ in range(world_size)]
-    dist.all_gather(states, state)  # DIST
+    dist.all_gather(states, state)  # DIST: every rank's weights and momentum, to compare
     identical = all(torch.equal(states[0], s) for s in states)
     losses = torch.cat(losses)
     per_rank = [torch.empty_like(losses) for _ in range(world_size)]
     dist.all_gather(per_rank, losses)  # DIST: the loss of each step, averaged over the ranks that had a batch
     losses = torch.stack(per_rank).nanmean(0).tolist()
     waits = [None] * world_size
-    dist.all_gather_object(waits, round(wait, 3))  # DIST
+    dist.all_gather_object(waits, round(wait, 3))  # DIST: how long each rank waited for data
     orders = counts.all_orders(world_size) if args.save_order else None
     if rank == 0:  # DIST: GLOBAL rank 0 alone writes the shared files (local rank 0 exists on every node)
         epochs = counts.epochs

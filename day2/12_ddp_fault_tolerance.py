@@ -96,8 +96,8 @@ def worker(info, args):
     torch.use_deterministic_algorithms(True, warn_only=True)
     directory = args.checkpoint_dir or args.run_dir / "checkpoints"
     lock = checkpoints.lock(directory) if rank == 0 else None  # before init: a second run stops right here
-    dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))  # DIST: join the process group
+    dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
+                            timeout=timedelta(seconds=args.timeout))
     signal.signal(signal.SIGTERM, on_stop_signal)  # after init: until here SIGTERM simply ends the process
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) + int(os.environ.get("SLURM_RESTART_COUNT", 0))
     rank_print(rank, f"pid {os.getpid()} on {socket.gethostname()} ({info.launcher}, restart {restarts})")
@@ -118,7 +118,7 @@ def worker(info, args):
             for old in checkpoints.files(directory):
                 old.unlink()
         chosen = [checkpoints.newest_valid(directory)]  # a torn or foreign file is reported and skipped
-    dist.broadcast_object_list(chosen, src=0)
+    dist.broadcast_object_list(chosen, src=0)  # DIST: every rank learns rank 0's choice
     if chosen[0] is not None:
         saved = torch.load(chosen[0], map_location=device, weights_only=True)  # DIST: onto this rank's device
         if saved["run"] != run:
@@ -153,6 +153,7 @@ def worker(info, args):
                         "cuda": [r["cuda"] for r in rng] if device.type == "cuda" else None}}, args.keep)
             return path
 
+    # DDP: rank r gets every W-th index of the epoch's shuffled order; padded so all shards are equal
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     per_epoch = -(-len(sampler) // args.batch_size)
     max_steps = args.max_steps or args.epochs * per_epoch
@@ -172,7 +173,7 @@ def worker(info, args):
             # DIST: one all_reduce per step carries the loss (summed) and the stop requests (counted), so that
             # every rank sees the same decision after the same step, whichever rank got the signal
             status = torch.stack([loss.detach().float(), torch.tensor(float(stop_signal is not None), device=device)])
-            dist.all_reduce(status)
+            dist.all_reduce(status)  # DIST: summed over ranks, the same on every rank
             state["loss_per_step"].append((status[0] / world_size).item())
             state["step"] += 1
             state["batches_done"] += 1
@@ -181,7 +182,7 @@ def worker(info, args):
                 rank_print(rank, f"step {state['step']} (epoch {epoch}, batch {state['batches_done']}/{per_epoch}): "
                                  f"loss {state['loss_per_step'][-1]:.4f}")
             if asked:  # DIST: every rank is here, after the same step: who got which signal, for the record
-                got = [None] * world_size
+                got = [None] * world_size  # DIST: which signal reached which rank
                 dist.all_gather_object(got, signal.Signals(stop_signal).name if stop_signal else None)
                 stopped = {"step": state["step"], "signals": {r: s for r, s in enumerate(got) if s}}
                 state["stops"] = state["stops"] + [stopped]

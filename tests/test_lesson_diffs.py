@@ -12,7 +12,7 @@ LIMIT = 80
 # join them.  3 -> 4 adds the manual sync and the outputs lesson 3 does not write; 4 -> 5 adds the profiler
 # and the --sync ddp/--compare variants; 11 streams chunks (sampler and rebatch inline) and 12 checkpoints,
 # stops and resumes: their ideas are long.
-OVER = {"3 -> 4": 91, "4 -> 5": 94, "10 -> 11": 192, "10 -> 12": 219}
+OVER = {"3 -> 4": 91, "4 -> 5": 94, "10 -> 11": 192, "10 -> 12": 218}
 
 
 def load():
@@ -49,3 +49,45 @@ def test_help_says_what_is_counted_and_bad_input_is_one_line():
     assert "docstring" in out and "--check N" in out
     proc = run([sys.executable, SCRIPT, "--check", "-1"], check=False, timeout=60)
     assert proc.returncode == 2 and "must be 0 or more" in proc.stderr
+
+
+LESSONS = sorted((REPO / "day1").glob("[0-9]*.py")) + sorted((REPO / "day2").glob("[0-9]*.py")) + \
+    [REPO / "day1" / "test-profile.py"]
+TAG = re.compile(r"# (DDP|DIST):")
+DISTRIBUTED = re.compile(r"\bdist\.(?!destroy_process_group|get_backend|ReduceOp)\w+\(|\bDDP\(|DistributedSampler\(|"
+                         r"cuda\.set_device\(")
+
+
+def test_every_distributed_line_is_tagged_and_every_lesson_says_what_the_tags_mean():
+    """`grep -E "# (DDP|DIST):"` is a true view of the distributed lines: each such line carries a tag, or the
+    comment line right above it does (a tag on a long statement's first line covers the statement)."""
+    untagged = []
+    for path in LESSONS:
+        lines = path.read_text().splitlines()
+        assert any(line.startswith("Tags") and "`# DDP:`" in line and "`# DIST:`" in line for line in lines), path
+        doc_end = next(i for i, line in enumerate(lines) if i and line.strip().endswith('"""'))
+        for i, line in enumerate(lines[doc_end + 1:], doc_end + 1):
+            code = line.split("#")[0]
+            if DISTRIBUTED.search(code) and not (TAG.search(line) or TAG.search(lines[i - 1])):
+                untagged.append(f"{path.relative_to(REPO)}:{i + 1}: {line.strip()}")
+    assert not untagged, "\n".join(untagged)
+
+
+def strings_a_learner_reads(path) -> list:
+    """Docstrings and string literals (f-strings' text included) of a file: what it prints and explains."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.append(node.value)
+    return found
+
+
+def test_no_test_vocabulary_in_what_the_lessons_print_or_explain():
+    words = re.compile(r"\b(the|our|course's) tests?\b|\bbound\b|\btolerance\b", re.I)
+    files = LESSONS + [REPO / "course" / f"{name}.py" for name in
+                       ("timing", "curves", "replicas", "coverage", "checkpoints", "profiling")]
+    found = [f"{path.relative_to(REPO)}: {m.group(0)!r} in {text[:80]!r}" for path in files
+             for text in strings_a_learner_reads(path) for m in [words.search(text)] if m]
+    assert not found, "\n".join(found)
