@@ -1,4 +1,5 @@
-"""Lesson 11's streaming loader (data_tools/h5stream.py) on the real file: what each epoch yields and how.
+"""Lesson 11's streaming loader on the real file: its ChunkShardSampler and rebatch (defined in the lesson, offered
+by data_tools/h5stream.py) over H5Chunks and MemoryChunks: what each epoch yields and how.
 
 Per epoch the ranks together yield exactly the training set, each sample once, checked by index and by
 the bytes of images and labels against the IDX source; reads are whole, aligned chunks; the file is opened
