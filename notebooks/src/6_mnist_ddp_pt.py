@@ -91,8 +91,8 @@ print(f"largest weight difference: {worst:.1e} of the largest weight")
 if not FULL_SIZE:
     assert worst < 1e-5
 added, removed = diff_counts("day1/4_mnist_manual_ddp.py", "day1/6_mnist_ddp_pt.py")
-md(f"What DDP gives here: the same training run (largest weight difference {worst:.1e}) with {removed - added} "
-   f"lines less than lesson 4 ({added} added, {removed} removed): no broadcast loop, no gradient all_reduce "
+md(f"What DDP gives here: the same training run (largest weight difference {worst:.1e}) in {removed - added} "
+   f"fewer lines than lesson 4 ({added} added, {removed} removed): no broadcast loop, no gradient all_reduce "
    "to write or to get wrong. Overlap is not what it gives on this model: one bucket leaves nothing to overlap "
    "(a difference in the times above comes from the number of messages: lesson 4 sends one per parameter "
    "tensor). Where the overlap can pay off is shown next.")
