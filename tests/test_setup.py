@@ -57,12 +57,20 @@ def todays_stamp() -> str:
     return run(["bash", "-c", "cat requirements*.txt | sha256sum | cut -c1-16"]).stdout.strip()
 
 
+def namespaces_or_skip(kind: str) -> None:
+    """Skip unless this process may make a new `kind` namespace (root, and a container that allows it)."""
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root: a new {kind} namespace")
+    probe = run(["unshare", f"--{kind}", "true"], check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot create a {kind} namespace here: {probe.stderr.strip()}")
+
+
 def read_only(venv: Path, command: str, *, over=(), **kw):
     """Run the shell line `command` while `venv` is read-only, as for a learner who may not write into a
     trainer's venv: a read-only bind mount in a private mount namespace (for root, a chmod would not stop a
     write).  `over`: (file, path) pairs, each file mounted read-only over path, as a learner's view."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: the venv is made read-only with a bind mount in a private mount namespace")
+    namespaces_or_skip("mount")
     mounts = [(venv, venv), *over]
     script = " && ".join([f"mount --bind -o ro {shlex.quote(str(a))} {shlex.quote(str(b))}" for a, b in mounts]
                          + [command])
@@ -312,7 +320,10 @@ def test_nothing_missing_costs_no_apt_get_and_no_root_installs_nothing(fake_syst
 def as_non_root() -> list:
     """The command prefix that runs something as a user who is not root: root sees itself as uid 65534 in a
     new user namespace (with its own files still readable, unlike a real user's view of /root)."""
-    return ["unshare", "--user"] if os.geteuid() == 0 else []
+    if os.geteuid() != 0:
+        return []
+    namespaces_or_skip("user")
+    return ["unshare", "--user"]
 
 
 def test_without_root_run_tests_ends_with_the_skipped_count_and_the_command(tmp_path):
@@ -322,7 +333,9 @@ def test_without_root_run_tests_ends_with_the_skipped_count_and_the_command(tmp_
     fake.mkdir()
     (fake / "sudo").write_text("#!/bin/sh\nexit 1\n")
     (fake / "sudo").chmod(0o755)
-    env = {"PATH": f"{fake}:{os.environ['PATH']}", "CI": None, "TEST_WORKERS": "0"}
+    # a pytest of its own: not this run's CI strictness (a skip would fail) nor its xdist worker's variables
+    env = {"PATH": f"{fake}:{os.environ['PATH']}", "CI": None, "TEST_WORKERS": "0",
+           **{name: None for name in os.environ if name.startswith(("PYTEST_", "COURSE_SKIP_REPORT"))}}
     result = run([*as_non_root(), REPO / "run_tests.sh", "tests/test_slurm_cluster.py", "-k", "sinfo or srun_runs"],
                  env=env, check=False, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
