@@ -15,8 +15,8 @@
 #
 # On a GPU node every rank brings its own GPU, c_W stays c_1, and only communication stands between you and
 # a speed-up of W. On one CPU the ranks share the same cores, so more ranks add no compute at all. And a
-# small model (the MLP: a 0.4 MB all_reduce after a step of well under a millisecond) has too little work
-# per step to hide its communication. Before training, the script times a few steps inside DDP's
+# small model (the MLP: a 0.4 MB all_reduce after very little compute per step; the tables below have this
+# machine's milliseconds) has too little work per step to hide its communication. Before training, the script times a few steps inside DDP's
 # `no_sync()` (compute alone) and a few without it (compute + all_reduce): the difference is m_W.
 #
 # `--sweep` runs world sizes 1, 2, ..., N one after another; every run adds a row to `timings.csv`, and
@@ -145,7 +145,8 @@ md("\n".join(lines))
 #
 # 1. `--batch-size 1024` for the MLP (with `--sweep` and the other options of the first run above, and a
 #    new `--run-dir`): 16 times the compute per step for the same 0.4 MB all_reduce. You should see a
-#    smaller `comm_share` at 2 ranks than at batch 64, and a higher speed-up.
+#    smaller `comm_share` at 2 ranks than at batch 64 (the speed-up tends to move up with it, but only 12
+#    steps of batch 1024 fit in `--quick`: it is noisy).
 # 2. Under torchrun or srun, each call adds one row: run
 #    `torchrun --standalone --nproc_per_node=1 day1/7_mnist_ddp_pt_timing.py --quick --run-dir runs/t7`, then
 #    the same with `--nproc_per_node=2`. You should see the table printed after the second call with two
