@@ -433,12 +433,12 @@ def show_diff_stats(old, new):
     print(f"{new} against {old}: {added} lines added, {removed} removed, {same:.0%} of the lines in common")
 
 
-def show_tagged(script, tags=("# DDP:", "# DIST:")):
+def show_tagged(script, tags=("# DDP:", "# DIST:"), tag=None):
     """The lines of a script that carry a tag: `# DDP:` marks what makes training data-parallel, `# DIST:`
-    the other torch.distributed lines."""
+    the other torch.distributed lines (`tag=` picks one)."""
     from IPython.display import Markdown, display
 
-    tags = (tags,) if isinstance(tags, str) else tuple(tags)
+    tags = (tag,) if tag else (tags,) if isinstance(tags, str) else tuple(tags)
     rows = [f"{n:4d}  {line.rstrip()}" for n, line in enumerate((REPO / script).read_text().splitlines(), 1)
             if any(t in line for t in tags)]
     names = " or ".join(f"`{t}`" for t in tags)

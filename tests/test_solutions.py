@@ -33,7 +33,7 @@ def exercises_in_notebook(name) -> int:
     if "## Try it yourself" not in text:
         return 0
     section = text.split("## Try it yourself", 1)[1].split("# %%", 1)[0]
-    return len(re.findall(r"^# \d+\. ", section, re.M))
+    return len(re.findall(r"^# (?:\d+\.|-) ", section, re.M))  # numbered items, or bullets
 
 
 def sections(name) -> dict:

@@ -34,12 +34,12 @@
 # %%
 from nbhelpers import *
 
-# The one switch. False: --quick, 2 pretend nodes x 2 CPU ranks on this machine.
+# The one switch. False: --quick, 2 pretend nodes x 1 CPU rank on this machine.
 # True: full epochs, 2 pretend nodes x (GPUs / 2) ranks (bit-for-bit equality is then not guaranteed: GPU
 # kernels are not all deterministic).
 FULL_SIZE = False
 SIZE = [] if FULL_SIZE else ["--quick"]
-PER_NODE = max(1, gpu_count() // 2) if FULL_SIZE else 2
+PER_NODE = max(1, gpu_count() // 2) if FULL_SIZE else 1
 # a GPU per rank (each pretend node gets GPUs of its own), or every rank on the CPU
 DEVICE = [] if gpu_count() >= 2 * PER_NODE else ["--device", "cpu"]
 RUN = run_dir("12_ddp_fault_tolerance")
@@ -57,9 +57,9 @@ show_diff("day2/10_mnist_ddp_pt_multinode.py", "day2/12_ddp_fault_tolerance.py")
 # %% [markdown]
 # ## Run 1: stopped by a signal
 #
-# Each rank prints its process id. When rank 0 reports step 30, the notebook sends `SIGUSR1` to **rank 2
-# only** (the first rank of node 1), as a scheduler might reach one node before the other. All ranks stop
-# after the same step,
+# Each rank prints its process id. When rank 0 reports step 40, the notebook sends `SIGUSR1` to **the first
+# rank of node 1 only**, as a scheduler might reach one node before the other. All ranks stop after the
+# same step,
 # rank 0 writes a checkpoint, and the run exits with 0. (`--step-sleep` slows the steps down a little so that
 # the signal lands mid-run; `--checkpoint-every 25` also checkpoints along the way.)
 
@@ -71,18 +71,18 @@ import signal
 pids, sent = {}, []
 
 
-def stop_rank_2(line):
+def stop_node_1(line):
     if m := re.match(r"\[rank (\d+)\] pid (\d+)", line):
         pids[int(m.group(1))] = int(m.group(2))
-    if not sent and re.match(r"\[rank 0\] step 30 ", line):
-        os.kill(pids[2], signal.SIGUSR1)
-        sent.append(30)
+    if not sent and re.match(r"\[rank 0\] step 40 ", line):
+        os.kill(pids[PER_NODE], signal.SIGUSR1)  # global rank PER_NODE: local rank 0 of node 1
+        sent.append(40)
 
 
 ARGS = [*SIZE, *DEVICE, "--checkpoint-every", 25, "--log-every", 10, "--step-sleep", 0.02]
 run_lesson("day2/12_ddp_fault_tolerance.py", *ARGS, "--run-dir", RUN, nproc=PER_NODE, nnodes=2,
-           on_output=stop_rank_2)
-print(f"\nSIGUSR1 sent to rank 2 (pid {pids[2]}) when rank 0 reported step {sent[0]}")
+           on_output=stop_node_1)
+print(f"\nSIGUSR1 sent to rank {PER_NODE} (pid {pids[PER_NODE]}) when rank 0 reported step {sent[0]}")
 print("checkpoints now:", sorted(p.name for p in (REPO / RUN / "checkpoints").glob("step-*.pt")))
 
 # %% [markdown]
