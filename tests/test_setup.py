@@ -334,7 +334,8 @@ def test_without_root_run_tests_ends_with_the_skipped_count_and_the_command(tmp_
     (fake / "sudo").write_text("#!/bin/sh\nexit 1\n")
     (fake / "sudo").chmod(0o755)
     # a pytest of its own: not this run's CI strictness (a skip would fail) nor its xdist worker's variables
-    env = {"PATH": f"{fake}:{os.environ['PATH']}", "CI": None, "TEST_WORKERS": "0",
+    # (and this venv, wherever it is: not a new one in the checkout)
+    env = {"PATH": f"{fake}:{os.environ['PATH']}", "CI": None, "TEST_WORKERS": "0", "VENV": str(this_venv()),
            **{name: None for name in os.environ if name.startswith(("PYTEST_", "COURSE_SKIP_REPORT"))}}
     result = run([*as_non_root(), REPO / "run_tests.sh", "tests/test_slurm_cluster.py", "-k", "sinfo or srun_runs"],
                  env=env, check=False, timeout=120)
