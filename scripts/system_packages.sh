@@ -10,9 +10,9 @@
 set -euo pipefail
 
 PACKAGES=(slurm-wlm munge chromium iproute2 util-linux procps dataset-fashion-mnist python3-venv)
-has_commands() {  # every command named is on PATH
-  local name
-  for name; do command -v "$name" >/dev/null || return 1; done
+has_commands() {  # every command named is an executable on PATH (bash's lookup also returns a plain file)
+  local name path
+  for name; do path="$(command -v "$name")" && [ -x "$path" ] || return 1; done
 }
 
 provided() {  # what the tests use of a package is there, whatever installed it
