@@ -21,7 +21,7 @@
 # %%
 from nbhelpers import *
 
-# The one switch. False: --quick on 2 CPU processes (about a minute in all).
+# The one switch. False: --quick on 2 CPU processes (seconds per run).
 # True: full epochs, one process per GPU of this node.
 FULL_SIZE = False
 SIZE = [] if FULL_SIZE else ["--quick"]
