@@ -107,7 +107,7 @@ elif [ ! -x "$PY" ] || [ "$have" != "$want" ]; then
     say "installing requirements into $VENV (torch is large: a few minutes the first time)"
   fi
   "$PY" -m pip install --quiet --upgrade pip
-  "$PY" -m pip install --quiet "${torch_pin[@]}" "${REQUIREMENTS[@]/#/--requirement=}"
+  "$PY" -m pip install --quiet ${torch_pin[@]+"${torch_pin[@]}"} "${REQUIREMENTS[@]/#/--requirement=}"  # (bash < 4.4: empty arrays)
   echo "$want" > "$stamp"
 fi
 

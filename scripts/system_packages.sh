@@ -37,7 +37,7 @@ missing() {
   for pkg in "${PACKAGES[@]}"; do
     grep -qx "$pkg installed" <<<"$installed" || provided "$pkg" || out+=("$pkg")
   done
-  echo "${out[*]}"
+  echo "${out[*]-}"  # (bash < 4.4: an empty array is unset)
 }
 
 as_root() {
