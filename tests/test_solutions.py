@@ -478,3 +478,42 @@ def test_h5_2_chunks_of_100(tmp_path, dataset):
     with h5py.File(tmp_path / "solutions/h5/chunk100.h5", "r") as f:
         images = f["train/images"]
         assert images.chunks == (100, 28, 28) and -(-images.shape[0] // 100) == 600
+
+
+# ------------------------------------------------------------------------------------------ lesson 13
+
+@solution("13_mixed_precision", 1)
+@pytest.mark.slow
+def test_13_1_clipping_before_unscaling_sees_scaled_gradients(tmp_path, dataset):
+    wrong, right = commands("13_mixed_precision", 1)
+    source = (REPO / "day3/13_mixed_precision.py").read_text()
+    unscale = "            scaler.unscale_(optimizer)"
+    lines = source.splitlines(keepends=True)
+    i = next(n for n, l in enumerate(lines) if l.startswith(unscale))
+    assert "clip_grad_norm_" in lines[i + 1]
+    lines[i], lines[i + 1] = lines[i + 1], lines[i]
+    copy = tmp_path / "day3" / "13_clip_before_unscale.py"
+    copy.parent.mkdir()
+    copy.write_text("".join(lines))
+    cmd, env = argv(wrong.replace("day3/13_clip_before_unscale.py", str(copy)), tmp_path)
+    run(cmd, env={**env, "PYTHONPATH": str(REPO)})
+    run_solution("13_mixed_precision", 1, tmp_path, line=1)
+    bad, good = metrics(tmp_path / "solutions/13-wrong-order"), metrics(tmp_path / "solutions/13-fp32")
+    ratio = sorted(b / g for b, g in zip(bad["grad_norm_per_step"], good["grad_norm_per_step"]))[12]
+    assert 65536 / 4 < ratio < 65536 * 4
+    fell = lambda m: m["loss_per_step"][0] - min(m["loss_per_step"][-5:])  # noqa: E731
+    assert fell(bad) < fell(good)
+
+
+@solution("13_mixed_precision", 2)
+@solution("13_mixed_precision", 3)
+@pytest.mark.slow
+def test_13_bf16_has_no_scaler_and_an_fp16_overflow_is_skipped_on_both_ranks(tmp_path, dataset):
+    out = run_solution("13_mixed_precision", 2, tmp_path).stdout
+    m = metrics(tmp_path / "solutions/13-bf16")
+    assert m["skipped_steps"] == [] and m["test_accuracy"] == 0.1 and m["test_loss"] != m["test_loss"]  # NaN
+    assert "weights identical on all ranks: True" in out
+    out = run_solution("13_mixed_precision", 3, tmp_path).stdout
+    assert metrics(tmp_path / "solutions/13-fp16")["skipped_steps"] == [1]
+    assert re.search(r"\[rank 0\] step 1 skipped .*loss scale 65536 -> 32768", out)
+    assert re.search(r"\[rank 1\] step 1 skipped .*loss scale 65536 -> 32768", out)
