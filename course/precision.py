@@ -20,19 +20,18 @@ def device_type(args) -> str:
 
 def check_precision(args) -> None:
     """One clear line, before any rank starts, if autocast cannot compute in --precision on this device."""
-    if args.precision == "fp32":
-        return
     device = device_type(args)
+    if args.precision == "fp32" or (device == "cuda" and not torch.cuda.is_available()):
+        return  # --device cuda without a GPU: course/devices.py's setup_device says so in its own words
+    problems = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             torch.autocast(device, dtype=DTYPES[args.precision])
         except RuntimeError as e:  # a CUDA GPU without bf16 raises instead of warning
-            caught.append(e)
-    problems = [str(getattr(w, "message", w)).splitlines()[0] for w in caught
-                if "autocast" in str(getattr(w, "message", w)).lower()]
+            problems.append(str(e).splitlines()[0])
+    problems += [str(w.message).splitlines()[0] for w in caught if "autocast" in str(w.message).lower()]
     if problems:
-        other = "fp32" if args.precision == "bf16" and device == "cpu" else \
-            "fp16" if args.precision == "bf16" else "bf16"
+        other = "fp16" if args.precision == "bf16" else "bf16"
         raise CourseError(f"--precision {args.precision}: this {device} has no {args.precision} autocast "
                           f"({problems[0]}); use --precision {other} or fp32")
