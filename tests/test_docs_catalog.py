@@ -9,7 +9,10 @@
 No torch import: reading text only.
 """
 import re
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11: the same parser from PyPI
+    import tomli as tomllib
 from pathlib import Path
 
 import pytest
