@@ -38,7 +38,7 @@ default not SIGUSR1: the agent dies of it, and its workers (in sessions of their
 on, orphans, until something kills them without a checkpoint.  The launcher starts torchrun with
 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 (torch >= 2.9), so that it forwards SIGUSR1 and
 gives its workers --shutdown-timeout seconds (30 by default) to finish.
-Started with --nproc, the parent passes SIGTERM and SIGUSR1 on to its ranks (course/launch.py).
+Started with --nproc, the parent passes SIGTERM and SIGUSR1 on to its ranks (course/supervise.py).
 
 Resumed, the run is the run that was never interrupted, bit for bit (measured on the CPU and on one H100 GPU): same
 data order, same weights, same losses.  That needs deterministic kernels (use_deterministic_algorithms)

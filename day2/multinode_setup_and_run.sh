@@ -114,7 +114,7 @@ if [[ -z "$MASTER_ADDR" ]]; then
     exit 1
 fi
 if [[ -z "${MASTER_PORT:-}" ]]; then
-    MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))   # the formula of course/launch.py: all ranks agree
+    MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))   # the formula of course/ports.py: all ranks agree
     # Check it on the node where rank 0 will listen (not here: salloc's shell runs on the login node);
     # if another job holds it, take the next free one.
     MASTER_PORT="$(srun --nodes=1 --ntasks=1 --nodelist="$MASTER_ADDR" --kill-on-bad-exit=1 "$PYTHON" -c '
