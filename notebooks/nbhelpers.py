@@ -560,18 +560,20 @@ def draw_buckets(param_sizes, bucket_cap=None, names=None, title=None, buckets=N
         if current:
             buckets.append(current)
 
-    fig, ax = plt.subplots(figsize=(9, 2.8))
     total = sum(param_sizes)
 
     def width(i):  # proportional to size, but wide enough to read the name of a small tensor
-        return max(1.4, param_sizes[i] / total * 8)
+        return max(0.11 * len(names[i]) + 0.3, param_sizes[i] / total * 8)
+
+    span = sum(width(i) for i in range(len(param_sizes))) * 1.5 + 3
+    fig, ax = plt.subplots(figsize=(min(16.0, max(9.0, 0.62 * span)), 2.8))
 
     x = 0.0
     for b, bucket in enumerate(buckets):
         for i in bucket:
             w = width(i)
             ax.add_patch(plt.Rectangle((x, 1.2), w, 0.6, fc=RANK_COLORS[b % 10], ec="white", alpha=0.8))
-            ax.text(x + w / 2, 1.5, names[i], ha="center", va="center", fontsize=8)
+            ax.text(x + w / 2, 1.5, names[i], ha="center", va="center", fontsize=7)
             x += w
         start = x  # the bucket's all_reduce starts once its last gradient exists
         comm = max(1.4, 0.8 * sum(width(i) for i in bucket))

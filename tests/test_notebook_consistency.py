@@ -11,10 +11,11 @@ The limits:
 - THROUGHPUT_FACTOR: the same configuration (model, batch per rank, world size, device, and how gradients
   are synchronized: lesson 4's per-parameter all_reduce moves the same bytes in 4 messages where DDP sends 1)
   differs by at most 2x in samples/s between notebooks 2, 3, 4, 6 and 7;
-- SPEEDUP_FACTOR: a notebook that runs 1 and 2 ranks of the same model on the CPU (notebook 4: lesson 2 on
-  the global batch against lesson 4) shows a speed-up within 4x of lesson 7's sweep for that model (lesson 4
-  syncs per parameter, lesson 2 runs a larger batch and counts its evaluation, so the two ratios need not
-  match closely; a 10x speed-up where lesson 7 measures 0.6x is a busy machine);
+- SPEEDUP_FACTOR: a notebook that runs 1 and 2 ranks of the same model on the same device (notebook 4:
+  lesson 2 on the global batch against lesson 4) shows a speed-up of 2 ranks at most 2x lesson 7's for that
+  model.  One-sided: lesson 4 syncs per parameter and lesson 2 runs a larger batch, so on an idle machine
+  notebook 4's ratio is lower than lesson 7's (0.11x against 0.56x, measured on the 2-core VM, 2026-11-24);
+  a busy machine slows the 2-thread single process most and makes 2 ranks look faster (9.5x once);
 - BUSY_CORES: no run started or ended while other programs kept more than half a core busy.
 """
 import json
@@ -31,7 +32,7 @@ sys.path.insert(0, str(NOTEBOOKS))
 from nbhelpers import RECORD_MIME  # noqa: E402  (nbhelpers imports matplotlib, not torch)
 
 THROUGHPUT_FACTOR = 2.0
-SPEEDUP_FACTOR = 4.0
+SPEEDUP_FACTOR = 2.0
 BUSY_CORES = 0.5
 TIMED = ["2_mnist_training", "3_mnist_distributed", "4_mnist_manual_ddp", "6_mnist_ddp_pt",
          "7_mnist_ddp_pt_timing"]
@@ -86,7 +87,7 @@ def sweep_speedups(recs: dict) -> dict:
 
 def speedup_contradictions(recs: dict, factor=SPEEDUP_FACTOR) -> list:
     """Notebooks (other than 7) with a 1-rank and a 2-rank run of one model on one device whose speed-up
-    differs from lesson 7's by more than factor."""
+    exceeds lesson 7's by more than factor."""
     sweep, bad = sweep_speedups(recs), []
     for name in recs:
         if name == "7_mnist_ddp_pt_timing":
@@ -99,7 +100,7 @@ def speedup_contradictions(recs: dict, factor=SPEEDUP_FACTOR) -> list:
                 if (one["world_size"], one["model"], one["device"]) == (1, two["model"], two["device"]):
                     shown = two["samples_per_second"] / one["samples_per_second"]
                     expected = sweep[(two["model"], two["device"])]
-                    if not expected / factor <= shown <= expected * factor:
+                    if shown > expected * factor:
                         bad.append(f"{name}: 2 ranks of {two['lesson']} run {shown:.2f}x as fast as 1 process of "
                                    f"{one['lesson']} ({two['model']}, {two['device']}), lesson 7's sweep: "
                                    f"{expected:.2f}x")
