@@ -22,7 +22,7 @@
 #    resume from the newest checkpoint.
 #
 # Resumed, the run *is* the run that was never interrupted, bit for bit on the CPU: same data order, same
-# weights, same losses. This notebook proves it: it stops a run with a signal, resumes it, and compares it
+# weights, same losses. This notebook shows it: it stops a run with a signal, resumes it, and compares it
 # with a run that was never stopped.
 #
 # ## On a cluster
@@ -140,8 +140,11 @@ if not FULL_SIZE:
 #    runs/t12`, then `kill -USR1 <a pid it printed>` from another terminal while it trains, then the same
 #    command again. You should see the first run end with exit code 0 after a stop and a checkpoint, and the
 #    second print that it resumes from that checkpoint and train to step 100.
-# 2. `torchrun --standalone --nproc_per_node=2 --max-restarts=3 day2/12_ddp_fault_tolerance.py --quick
-#    --step-sleep 0.05 --checkpoint-every 25 --run-dir runs/t12b` and `kill -9` one rank's pid while it
-#    trains. You should see the
-#    agent report the failed worker and restart both ranks, which resume from the newest checkpoint and
-#    finish (exit code 0).
+# 2. `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=3
+#    day2/12_ddp_fault_tolerance.py --quick --step-sleep 0.05 --checkpoint-every 25 --run-dir runs/t12b` and
+#    `kill -9` one rank's pid while it trains. You should see the agent report the failed worker and restart
+#    both ranks, which resume from the newest checkpoint and finish (exit code 0). The variable gives the
+#    restarted ranks a fresh store (without it, restarts can fail with `Connection refused`; see the
+#    script's docstring).
+#
+# Next: day 3, [lesson 13](13_mixed_precision.ipynb): mixed precision.

@@ -143,14 +143,15 @@ md(f"Skipped steps: {o['skipped_steps']}. "
 # %% [markdown]
 # ## Try it yourself
 #
-# - Move `scaler.unscale_(optimizer)` below `clip_grad_norm_` in a copy of the script and run `--precision
-#   fp16`: `grad_norm_per_step` in metrics.json is ~65536 times larger than in fp32, every step is clipped
-#   to a tiny one, and the loss barely falls in 24 steps.
-# - `--precision bf16 --overflow-at 5`: there is no GradScaler in bf16, so nothing skips the step; the
-#   weights become NaN on every rank (identical, NaN for NaN), the test loss is nan and the test accuracy
-#   0.1: the argmax of NaN logits is class 0, a tenth of the test set.
-# - `--precision fp16 --overflow-at 1 --overflow-rank 0`: the very first step is skipped on both ranks, and
-#   the loss scale goes from 65536 to 32768 before any weight has changed.
+# Solutions, with the commands and what they print: [`solutions/13_mixed_precision.md`](../solutions/13_mixed_precision.md).
 #
-# Next, day 3 goes on with what to do when a model does not fit: gradient accumulation and activation
-# checkpointing.
+# 1. Move `scaler.unscale_(optimizer)` below `clip_grad_norm_` in a copy of the script and run `--precision
+#    fp16`: `grad_norm_per_step` in metrics.json is ~65536 times larger than in fp32, every step is clipped
+#    to a tiny one, and the loss barely falls in 24 steps.
+# 2. `--precision bf16 --overflow-at 5`: there is no GradScaler in bf16, so nothing skips the step; the
+#    weights become NaN on every rank (identical, NaN for NaN), the test loss is nan and the test accuracy
+#    0.1: the argmax of NaN logits is class 0, a tenth of the test set.
+# 3. `--precision fp16 --overflow-at 1 --overflow-rank 0`: the very first step is skipped on both ranks, and
+#    the loss scale goes from 65536 to 32768 before any weight has changed.
+#
+# This is the last lesson so far: back to the [course overview](../README.md).
