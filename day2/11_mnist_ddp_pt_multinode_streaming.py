@@ -25,6 +25,8 @@ ChunkShardSampler, the DataLoader over whole chunks, rebatch; data_tools/h5strea
   ran to the end.  join() does not know about the optimizer: the momentum of a rank that stopped early
   missed the last steps, so after each epoch we copy it from a rank that ran to the end as well.
   (The alternative, dropping the remainder so all ranks take equal steps, would skip samples every epoch.)
+  Each rank prints the steps it took part in and, in brackets, those on its own batches (the rest it
+  shadowed under join()).
 Every epoch the lesson counts, across ranks, how often each sample was trained on, and reports it
 (course/coverage.py).  --source memory trains on the same chunks in the same order, taken from memory:
 it gives the same weights as the file.  On Lustre/GPFS, export HDF5_USE_FILE_LOCKING=FALSE for other HDF5 tools (this
@@ -168,7 +170,7 @@ def worker(info, args):
                         persistent_workers=args.workers > 0, pin_memory=device.type == "cuda")
     prof = maybe_profile(args, rank, device)  # --profile: lesson 5's traces and TensorBoard scalars
     counts = coverage.Coverage(chunks.num_samples, device, args.save_order)  # each sample once per epoch?
-    losses, done, wait, start = [], 0, 0.0, time.perf_counter()
+    losses, done, own, wait, start = [], 0, 0, 0.0, time.perf_counter()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new chunk order each epoch, the same on every rank
         my_steps = -(-sampler.num_rank_samples() // args.batch_size)
@@ -199,7 +201,7 @@ def worker(info, args):
         last = max(r for r in range(world_size) if steps[r] == max(steps))
         for p in model.parameters():
             dist.broadcast(optimizer.state[p]["momentum_buffer"], src=last)  # DDP: the same momentum everywhere
-        done += max(steps)
+        done, own = done + max(steps), own + steps[rank]  # own: steps on this rank's batches, not shadowed
         losses.append(epoch_losses)
         summary = counts.end_epoch(epoch, steps, len(chunks), world_size)  # DIST: counts summed over ranks
         accuracy, test_loss, counted = evaluate(model.module, test_set, rank, world_size)
@@ -212,7 +214,7 @@ def worker(info, args):
             break
     seconds = time.perf_counter() - start
     prof.close()
-    rank_print(rank, f"{done} steps in {seconds:.1f} s, {wait:.1f} s of them waiting for data")
+    rank_print(rank, f"{done} steps ({own} on its own batches) in {seconds:.1f} s, {wait:.1f} s waiting for data")
 
     # every replica must hold the same weights AND the same momentum (the join() caveat above)
     state = torch.cat([t.detach().reshape(-1) for p in model.parameters()

@@ -2,7 +2,7 @@
 # # Lesson 11: streaming the training set from a chunked HDF5 file
 #
 # Script: [`day2/11_mnist_ddp_pt_multinode_streaming.py`](../day2/11_mnist_ddp_pt_multinode_streaming.py);
-# the file comes from [`data_tools/create_mnist_h5.py`](create_mnist_h5.ipynb).
+# the file comes from [the create_mnist_h5 notebook](create_mnist_h5.ipynb) (`data_tools/create_mnist_h5.py`).
 #
 # Real datasets do not fit in memory: they are read from disk while training. Two ways to get that wrong:
 # read sample by sample, and every read pays for a whole HDF5 chunk (the unit HDF5 stores and reads); read
@@ -92,13 +92,15 @@ show_table(m["per_epoch"], ["epoch", "samples", "trained", "seen_once", "seen_ne
 # %% [markdown]
 # ## Inside a chunk the order is shuffled too
 #
-# The first 200 samples rank 0 trained on: the sample index jumps around within a chunk (a band of 1000
-# indices), then moves on to the rank's next chunk.
+# The first two and a half chunks' worth of samples rank 0 trained on: the sample index jumps around within
+# a chunk (a band of 1000 indices), then moves on to the rank's next chunk.
 
 # %%
+first = order[0][:2 * chunk + chunk // 2]  # two and a half chunks
 fig, ax = plt.subplots()
-ax.plot(order[0][:200], ".", ms=4)
-ax.set(xlabel="position in rank 0's epoch", ylabel="sample index", title="rank 0, epoch 0: the first 200 samples")
+ax.plot(first, ".", ms=2)
+ax.set(xlabel="position in rank 0's epoch", ylabel="sample index",
+       title=f"rank 0, epoch 0: the first {len(first)} samples (chunks of {chunk})")
 plt.show()
 print(f"steps per rank {m['per_epoch'][0]['steps_per_rank']} (ranks with one chunk less run out early: "
       f"join() covers for them); replicas identical at the end: {m['replicas_identical']}; "

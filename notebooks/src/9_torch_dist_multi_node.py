@@ -13,8 +13,8 @@
 # | node | which machine | `SLURM_NODEID` | `GROUP_RANK` |
 # | where rank 0 listens | to join the group | first host of `SLURM_JOB_NODELIST` + a port | `MASTER_ADDR`, `MASTER_PORT` |
 #
-# `MASTER_ADDR` must be a name every node can reach: "localhost" on node 2 is node 2 itself, and its ranks
-# would wait for a rank 0 that is not there (a classic hang at `init_process_group`).
+# `MASTER_ADDR` must be a name every node can reach: "localhost" on the second node (node 1) is that node
+# itself, and its ranks would wait for a rank 0 that is not there (a classic hang at `init_process_group`).
 #
 # ## How it runs on a cluster
 #
