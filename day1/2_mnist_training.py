@@ -1,7 +1,7 @@
 """Lesson 2: the single-process baseline: data, model, training loop, loss curve, test accuracy.
 
     python day1/2_mnist_training.py                 # 2 epochs of Fashion-MNIST with the MLP
-    python day1/2_mnist_training.py --quick         # 1 epoch on 12 800 samples: a laptop minute
+    python day1/2_mnist_training.py --quick         # 1 epoch on 12 800 samples: seconds on a laptop
     python day1/2_mnist_training.py --model cnn --dataset mnist
 
 Everything later lessons distribute is here in its simplest form.  Two choices matter later:

@@ -143,7 +143,7 @@ for path in sorted((REPO / LOG).glob("*/*.pt.trace.json")):
 # 1. `--model cnn --sync ddp`: more compute per step for fewer bytes (0.18 MB of gradients). You should see
 #    `comm ms` a smaller share of `step ms` than in the MLP's `ddp` row above.
 # 2. `--sync ddp --bucket-cap-mb 0.005`: a bucket closes once it holds at least the cap, so the MLP's three
-#    small tensors (5.5 KB) make one bucket and its large first-layer weight another. You should see
+#    small tensors (5.7 KB) make one bucket and its large first-layer weight another. You should see
 #    `all_reduce per step` 2.0 instead of 1.0. (`0.1` is not small enough: the small tensors plus the large
 #    one are the first bucket to reach 0.1 MB, and everything is still one bucket.)
 # 3. `--model cnn --sync ddp --bucket-cap-mb 0.01`: you should see 3.0 all_reduces per step and an
