@@ -26,9 +26,11 @@ def report(everyone: list, args, steps: int, accuracy: float, model) -> None:
     for r in everyone:
         print(f"  rank {r['rank']}: weights {r['weights']}  data order {r['data_order']}  "
               f"{r['steps']} steps  {r['train_seconds']:.1f} s")
-    print(f"identical weights on all {world_size} ranks: {same_weights}; identical data order: "
-          f"{same_order}.\n{world_size} processes did {world_size} x {steps} steps to produce one model: "
-          f"this is replication, not data parallelism (lesson 4 splits the data instead).", flush=True)
+    print(f"identical weights on all {world_size} ranks: {same_weights}; identical data order: {same_order}.",
+          flush=True)
+    if world_size > 1:
+        print(f"{world_size} processes did {world_size} x {steps} steps to produce one model: this is replication, "
+              "not data parallelism (lesson 4 splits the data instead).", flush=True)
     write_json(args.run_dir / "metrics.json", {
         "lesson": "3_mnist_distributed", "dataset": args.dataset, "model": args.model,
         "world_size": world_size, "batch_size": args.batch_size, "steps": steps,

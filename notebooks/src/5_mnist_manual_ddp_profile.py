@@ -79,10 +79,12 @@ out = run_lesson("day1/5_mnist_manual_ddp_profile.py", *SIZE, *DEVICE, "--compar
 plot_trace(sorted((REPO / LOG / "per-param" / "chrome_trace").glob("rank*.json")), title="--sync per-param")
 
 # %% [markdown]
-# And the `ddp` variant. Here the all_reduce sits *inside* the `backward` span: DDP starts it from a hook
-# on the gradients, and `loss.backward()` returns only once it is done (DDP waits for its buckets at the end
-# of backward). Inside is not the same as overlapping, though: the table below counts as overlap only the
-# time during which backward was still *computing* gradients. The MLP's 0.4 MB of gradients make one bucket,
+# And the `ddp` variant. Here the all_reduce *starts* inside the `backward` span: DDP launches it from a
+# hook on the gradients and waits for its buckets' results at the end of backward. The bar of the collective
+# on gloo's own thread can still end after the main thread has moved on (past backward, sometimes past the
+# end of the step): the two threads record their times independently. Starting inside backward is not the
+# same as overlapping, though: the table below counts as overlap only the time during which backward was
+# still *computing* gradients. The MLP's 0.4 MB of gradients make one bucket,
 # whose all_reduce can only start when the last gradient exists, so its overlap is 0% or close to it.
 # [Lesson 6](6_mnist_ddp_pt.ipynb) shows a model cut into several buckets, where it is not.
 

@@ -60,7 +60,7 @@ assert len(traces) == NPROC, "one trace per rank"
 # ## The traces, drawn
 #
 # The recorded steps of each rank: DDP's forward, the optimizer, and the gradient all_reduces that gloo (or
-# NCCL) runs while backward goes on.
+# NCCL) runs on its own thread (one bucket for this model: it starts when backward ends; lesson 5).
 
 # %%
 plot_trace(traces, spans=("DistributedDataParallel.forward", "Optimizer.zero_grad#SGD.zero_grad",
