@@ -16,7 +16,7 @@ b samples in c_1 ms, so
 
 On a GPU node each rank brings its own GPU, c_W stays c_1, and only communication stands between you and
 a speed-up of W.  On one CPU the ranks share the same cores (each gets cores // ranks threads), so W ranks
-cannot add compute, only use it differently: more ranks pay off only when one process could not keep its
+cannot add cores, only use them differently: more ranks pay off only when one process could not keep its
 threads busy (the CNN's small convolutions at batch 512) and the all_reduce is small next to a step.  The
 MLP's step is so short that the all_reduce of its 0.4 MB of gradients eats any gain.  On an idle 2-core
 VM (--quick) 2 ranks x 1 thread ran the CNN at batch 512 1.05-1.31x faster than 1 process x 2 threads

@@ -14,10 +14,12 @@
 # $$\text{speed-up} = \frac{W \, c_1}{c_W + m_W}$$
 #
 # On a GPU node every rank brings its own GPU, c_W stays c_1, and only communication stands between you and
-# a speed-up of W. On one CPU the ranks share the same cores, so more ranks add no compute at all. And a
-# small model (the MLP: a 0.4 MB all_reduce after very little compute per step; the tables below have this
-# machine's milliseconds) has too little work per step to hide its communication. Before training, the script times a few steps inside DDP's
-# `no_sync()` (compute alone) and a few without it (compute + all_reduce): the difference is m_W.
+# a speed-up of W. On one CPU the ranks share the same cores, so more ranks add no cores: at best they use
+# the cores better than one process's threads do (see the compute column below). And a small model (the
+# MLP: a 0.4 MB all_reduce after very little compute per step; the tables below have this machine's
+# milliseconds) has too little work per step to hide its communication. Before training, the script times
+# a few steps inside DDP's `no_sync()` (compute alone) and a few without it (compute + all_reduce): the
+# difference is m_W.
 #
 # `--sweep` runs world sizes 1, 2, ..., N one after another; every run adds a row to `timings.csv`, and
 # rank 0 rewrites the table (`scaling.md`, `scaling.csv`) and the plot (`scaling.png`).
@@ -46,7 +48,8 @@ show_diff("day1/6_mnist_ddp_pt.py", "day1/7_mnist_ddp_pt_timing.py")
 # ## Run two sweeps
 #
 # The MLP at the default batch of 64 per rank, and the CNN at batch 512 per rank: much more compute per
-# step for about the same bytes to all_reduce. The script explains each world size's result with the
+# step for fewer bytes to all_reduce (the CNN's 44 426 parameters make 0.18 MB of gradients, the MLP's
+# 101 770 make 0.41 MB). The script explains each world size's result with the
 # formula above.
 
 # %%
@@ -64,7 +67,7 @@ run_lesson("day1/7_mnist_ddp_pt_timing.py", NPROC, "--sweep", *SIZE, *DEVICE, "-
 table = read_csv(RUN / "scaling.csv")
 show_table(table, ["model", "batch_per_rank", "device", "world_size", "threads_per_rank", "samples_per_second",
                    "speedup", "speedup_noise", "compute_ms", "comm_ms", "comm_share"])
-for r in table:  # for tests/test_notebook_consistency.py: the same configuration in other notebooks
+for r in table:  # keep a record of these rows (the same configuration runs in other notebooks too)
     record_result("day1/7_mnist_ddp_pt_timing.py", lesson="7_mnist_ddp_pt_timing", model=r["model"],
                   batch_per_rank=int(r["batch_per_rank"]), world_size=int(r["world_size"]), device=r["device"],
                   threads_per_rank=int(r["threads_per_rank"]), samples=int(r["samples"]),
@@ -90,11 +93,12 @@ for ax, (model, batch) in zip(axes, configs):
     ax.bar(names, comm, bottom=compute, label="communication")
     for i, r in enumerate(rows):
         if r["speedup"]:
-            ax.text(i, compute[i] + comm[i], f"{float(r['speedup']):.2f}x", ha="center", va="bottom")
+            ax.text(i, compute[i] + comm[i], f"{float(r['speedup']):.2f}x ± {float(r['speedup_noise'] or 0):.2f}",
+                    ha="center", va="bottom")
     ax.set(title=f"{model}, batch {batch} per rank", ylabel="ms per step",
            ylim=(0, 1.2 * max(c + m for c, m in zip(compute, comm))))
     ax.legend(fontsize=8)
-fig.suptitle("one training step, measured (numbers: speed-up over 1 rank)")
+fig.suptitle("one training step, measured (numbers: speed-up over 1 rank ± its noise)")
 fig.tight_layout()
 plt.show()
 
@@ -133,7 +137,8 @@ md("\n".join(lines))
 
 # %% [markdown]
 # See the `device` and `threads_per_rank` columns for what these ranks had. On a GPU node
-# (`FULL_SIZE = True`) the compute part stays flat as ranks are added and the CNN's speed-up approaches W.
+# (`FULL_SIZE = True`) the compute part should stay flat as ranks are added and the CNN's speed-up should
+# approach W (not measured here: run `FULL_SIZE = True` on a GPU node).
 # Timings depend on the machine and on whatever else runs on it: rerun the sweep before drawing
 # conclusions. A busy machine hurts the 1-rank run most: its threads must run at the same time to make
 # progress, and they wait for each other whenever another program holds a core, which makes the 1-rank
@@ -145,8 +150,9 @@ md("\n".join(lines))
 #
 # 1. `--batch-size 1024` for the MLP (with `--sweep` and the other options of the first run above, and a
 #    new `--run-dir`): 16 times the compute per step for the same 0.4 MB all_reduce. You should see a
-#    smaller `comm_share` at 2 ranks than at batch 64 (the speed-up tends to move up with it, but only 12
-#    steps of batch 1024 fit in `--quick`: it is noisy).
+#    smaller `comm_share` at 2 ranks than at batch 64 (the speed-up tends to move up with it, but
+#    `--quick`'s 12 800 samples make only 13 steps of batch 1024 on 1 rank and 7 on each of 2 ranks: it is
+#    noisy).
 # 2. Under torchrun or srun, each call adds one row: run
 #    `torchrun --standalone --nproc_per_node=1 day1/7_mnist_ddp_pt_timing.py --quick --run-dir runs/t7`, then
 #    the same with `--nproc_per_node=2`. You should see the table printed after the second call with two
