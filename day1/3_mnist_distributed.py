@@ -64,7 +64,7 @@ def worker(info, args):
         if step == args.max_steps:
             break
     seconds = time.perf_counter() - start
-    rank_print(rank, f"{step} steps on all {len(train_set)} samples per epoch in {seconds:.1f} s")
+    rank_print(rank, f"{step} steps in {seconds:.1f} s (every rank trains on all {len(train_set)} samples per epoch)")
 
     mine = replicas.notes(rank, model, order, step, seconds)  # fingerprints of the weights and data order
     everyone = [None] * world_size

@@ -163,7 +163,7 @@ def train(info, device, args, train_set, test_set):
             break
     seconds = time.perf_counter() - start
     profiler.stop()
-    rank_print(rank, f"{step} steps on {len(sampler)} samples per epoch in {seconds:.1f} s")
+    rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch)")
 
     losses = torch.stack(losses)
     dist.all_reduce(losses)  # DIST: the loss of each global batch, averaged over ranks (one call at the end)

@@ -98,7 +98,7 @@ def worker(info, args):
             break
     seconds = time.perf_counter() - start
     prof.close()
-    rank_print(rank, f"{step} steps on {len(sampler)} samples per epoch in {seconds:.1f} s")
+    rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch)")
 
     losses = torch.stack(losses)
     dist.all_reduce(losses)  # DIST: the loss of each global batch, averaged over ranks (one call at the end)

@@ -103,7 +103,7 @@ def worker(info, args):
             break
     seconds = time.perf_counter() - start
     prof.close()
-    rank_print(rank, f"{step} steps on {len(sampler)} samples per epoch in {seconds:.1f} s, "
+    rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch), "
                      f"{len(skipped)} skipped {skipped}")
 
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
