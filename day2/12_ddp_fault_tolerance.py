@@ -41,9 +41,15 @@ gives its workers --shutdown-timeout seconds (30 by default) to finish.
 Started with --nproc, the parent passes SIGTERM and SIGUSR1 on to its ranks (course/supervise.py).
 
 Resumed, the run is the run that was never interrupted, bit for bit (measured on the CPU and on one H100 GPU): same
-data order, same weights, same losses.  That needs deterministic kernels (use_deterministic_algorithms)
-and the same threads per rank.  The checkpoint directory is locked by the run using it: a second run on
-the same --run-dir stops with a message instead of mixing its checkpoints with the first one's.
+data order, same weights, same losses.  That needs deterministic kernels (use_deterministic_algorithms),
+the same threads per rank and, from 3 ranks on, the same gradient buckets.  DDP all_reduces the first
+backward after the wrap in provisional buckets (parameter order), then rebuilds them in the order the
+gradients arrived.  A number's place in its bucket sets the order in which the ranks' values are added:
+with 2 ranks a + b = b + a, with 4 another order rounds differently (4 ranks resumed without the rebuild
+ended with weights ~1e-8 off).  The uninterrupted run trains in rebuilt buckets, so a resumed run rebuilds
+them first, with one backward pass that it throws away.  The checkpoint directory is locked by the run
+using it: a second run on the same --run-dir stops with a message instead of mixing its checkpoints with
+the first one's.
 The checkpoint files (atomic write, rotation, the newest valid one, the lock) are course/checkpoints.py's.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
@@ -137,6 +143,11 @@ def worker(info, args):
                              f"batch {state['batches_done']} of the epoch")
     # DDP: wraps after loading: the broadcast at wrap time then copies weights every rank already has
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if chosen[0] is not None:
+        # DDP: one backward, thrown away, so that the resumed steps reduce in DDP's rebuilt buckets as the
+        # uninterrupted run's do (see "bit for bit" above: from 3 ranks on, the buckets decide the rounding)
+        F.cross_entropy(model(train_set.images[:1]), train_set.labels[:1]).backward()  # on every rank
+        optimizer.zero_grad()  # nothing of it reaches the weights or the momentum
 
     def checkpoint():
         """Every rank calls it (the RNG states are gathered); rank 0 writes."""

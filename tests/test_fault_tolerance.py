@@ -1,8 +1,8 @@
 """Lesson 12: a run stopped by a signal at a random step, or by a crashed rank, resumes to the weights of the
 run that was never interrupted, bit for bit; torn checkpoints are skipped; the launcher requeues on Slurm.
 
-All runs: 2 ranks, gloo on the CPU, one thread per rank, 1600 samples, batch 32 per rank: 25 steps per epoch,
-2 epochs, a checkpoint every 7 steps.  The interrupted runs sleep 0.1 s per step (--step-sleep: it changes
+All runs: 2 ranks (one test: 4), gloo on the CPU, one thread per rank, 1600 samples, batch 32 per rank: 25
+steps per epoch, 2 epochs, a checkpoint every 7 steps.  The interrupted runs sleep 0.1 s per step (--step-sleep: it changes
 the timing, not the arithmetic) so that a signal sent after a chosen step lands in the middle of training.
 """
 import fcntl
@@ -246,6 +246,23 @@ def step_of_stop(run_dir, output) -> int:
     assert found, output
     assert Path(found.group(3)) == run_dir / "checkpoints" / f"step-{int(found.group(1)):09d}.pt"
     return int(found.group(1))
+
+
+def test_four_ranks_stopped_and_resumed_equal_the_uninterrupted_run(dataset, tmp_path):
+    """With 2 ranks a sum of two gradients is the same in any order; with 4 the all_reduce's order of additions
+    sets the rounding, and that order follows each number's place in DDP's buckets, which DDP rebuilds after
+    the first backward of a new wrap.  The resumed run must train in the rebuilt buckets, as the uninterrupted
+    one does.  The first run stops at --max-steps 10 (an exact stop: its final checkpoint); the same command
+    without --max-steps resumes from it.  4 ranks: 13 steps per epoch, 26 in all."""
+    args = [PYTHON, LESSON, "--nproc", "4", *TRAIN]
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    run([*args, "--run-dir", reference], env=DETERMINISTIC)
+    run([*args, "--max-steps", "10", "--run-dir", resumed], env=DETERMINISTIC)
+    out = run([*args, "--run-dir", resumed], env=DETERMINISTIC).stdout
+    assert f"resuming from {resumed / 'checkpoints' / 'step-000000010.pt'}: step 10," in out, out
+    m = metrics(resumed)
+    assert m["world_size"] == 4 and m["resumed_at"] == [10] and m["steps"] == metrics(reference)["steps"] == 26
+    assert_bitwise_equal(resumed, reference)
 
 
 def test_torchrun_max_restarts_restarts_a_killed_rank_from_the_checkpoint(reference, tmp_path):
