@@ -34,12 +34,12 @@
 # %%
 from nbhelpers import *
 
-# The one switch. False: --quick, 2 pretend nodes x 1 CPU rank on this machine.
+# The one switch. False: --quick, 2 pretend nodes x 2 CPU ranks on this machine.
 # True: full epochs, 2 pretend nodes x (GPUs / 2) ranks (bit-for-bit equality is then not guaranteed: GPU
 # kernels are not all deterministic).
 FULL_SIZE = False
 SIZE = [] if FULL_SIZE else ["--quick"]
-PER_NODE = max(1, gpu_count() // 2) if FULL_SIZE else 1
+PER_NODE = max(1, gpu_count() // 2) if FULL_SIZE else 2
 # a GPU per rank (each pretend node gets GPUs of its own), or every rank on the CPU
 DEVICE = [] if gpu_count() >= 2 * PER_NODE else ["--device", "cpu"]
 RUN = run_dir("12_ddp_fault_tolerance")
