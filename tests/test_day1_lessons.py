@@ -94,6 +94,20 @@ def test_lesson3_ranks_end_bitwise_identical(lesson2_40_steps, tmp_path, launche
     assert max_rel_diff(a, b) <= REL_BOUND
 
 
+def test_lesson3_calls_only_several_processes_replication(tmp_path, capsys):
+    """Rank 0's report: "N processes did N x S steps ... replication" is false for one process."""
+    from types import SimpleNamespace
+
+    from course.replicas import report
+
+    args = SimpleNamespace(run_dir=tmp_path, dataset="fashion", model="mlp", batch_size=64)
+    notes = {"rank": 0, "weights": "w", "data_order": "d", "steps": 5, "train_seconds": 0.1}
+    report([notes], args, 5, 0.5, torch.nn.Linear(2, 2))
+    assert "replication" not in capsys.readouterr().out
+    report([notes, {**notes, "rank": 1}], args, 5, 0.5, torch.nn.Linear(2, 2))
+    assert "2 processes did 2 x 5 steps to produce one model: this is replication" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------------------ lessons 4, 6
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ The runs on the real two-node Slurm are in test_day2_slurm.py.
 """
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -118,11 +119,18 @@ def test_lesson11_from_hdf5_equals_from_memory_given_the_same_order(mnist_h5, tm
     55 vs 47 steps per epoch: the uneven case join() handles.  Two epochs, so the momentum fix matters."""
     common = ["--h5-file", mnist_h5.path, "--train-samples", "6500", "--epochs", "2", "--seed", "7",
               "--save-order"]
-    runs = {}
+    runs, printed = {}, {}
     for source, workers in (("h5", "1"), ("memory", "0")):
         runs[source] = tmp_path / source
-        lesson(LESSONS[11], *common, "--source", source, "--workers", workers, "--run-dir", runs[source],
-               launcher="torchrun", nproc=2, timeout=300)
+        printed[source] = lesson(LESSONS[11], *common, "--source", source, "--workers", workers, "--run-dir",
+                                 runs[source], launcher="torchrun", nproc=2, timeout=300).stdout
+    for source, run_dir in runs.items():
+        # every rank took part in all 110 steps, and says how many were on its own batches (the rest it
+        # shadowed under join()): its steps per epoch, summed
+        own = {int(r): int(n) for r, n in re.findall(r"^\[rank (\d)\] 110 steps \((\d+) on its own batches\)",
+                                                     printed[source], re.M)}
+        per_epoch = metrics(run_dir)["per_epoch"]
+        assert own == {r: sum(e["steps_per_rank"][r] for e in per_epoch) for r in (0, 1)}, printed[source]
     for source, run_dir in runs.items():
         m = metrics(run_dir)
         assert m["source"] == source and m["world_size"] == 2 and m["epochs"] == 2
