@@ -90,7 +90,8 @@ def build_parser():
     p.add_argument("--chunk-samples", type=chunk_samples, default=DEFAULT_CHUNK_SAMPLES,
                    help="samples per HDF5 chunk (the unit of reading and of sharding across ranks)")
     p.add_argument("--compression", default="none", choices=COMPRESSIONS,
-                   help="none reads fastest; gzip makes the file ~3x smaller, costs CPU on every read")
+                   help="none reads fastest; gzip makes the file smaller (Fashion-MNIST: 31 MB instead of 55 MB) "
+                        "and costs CPU on every read")
     p.add_argument("--checksum", action="store_true",
                    help="a fletcher32 checksum per chunk, verified on every read: a damaged chunk fails instead "
                         "of feeding garbage; costs up to about a third of warm streaming speed")

@@ -234,12 +234,13 @@ def comm(log_dir):
 
 @solution("5_mnist_manual_ddp_profile", 1)
 @pytest.mark.slow
-def test_5_1_the_cnn_spends_a_smaller_share_communicating(tmp_path, dataset):
+def test_5_1_the_cnn_moves_fewer_bytes(tmp_path, dataset):
+    # The bytes are exact.  Times are not asserted (the benchmark measures speed): the share of the step
+    # spent in the all_reduce includes waiting for the other rank and moves with the machine's load.
     run_solution("5_mnist_manual_ddp_profile", 1, tmp_path, line=0)
     run_solution("5_mnist_manual_ddp_profile", 1, tmp_path, line=1)
     cnn, mlp = comm(tmp_path / "solutions/5-cnn/log"), comm(tmp_path / "solutions/5-mlp/log")
-    assert cnn["bytes_per_step"] < mlp["bytes_per_step"]
-    assert cnn["comm_ms_per_step"] / cnn["step_ms"] < mlp["comm_ms_per_step"] / mlp["step_ms"]
+    assert round(cnn["bytes_per_step"] / 1000, 1) == 177.7 and round(mlp["bytes_per_step"] / 1000, 1) == 407.1
 
 
 @solution("5_mnist_manual_ddp_profile", 2)
