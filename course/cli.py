@@ -19,25 +19,23 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def positive_int(text: str) -> int:
+def _whole_number(text: str, least: int, says: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value} must be {says}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _whole_number(text, 1, "at least 1")
 
 
 def non_negative_int(text: str) -> int:
     """A whole number of steps or samples, 0 allowed (0 steps of warmup: none)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
-    return value
+    return _whole_number(text, 0, "0 or more")
 
 
 def positive_float(text: str) -> float:

@@ -64,6 +64,16 @@ def help_texts_of(scripts) -> dict:
     return json.loads(run([PYTHON, REPO / "tests" / "help_texts.py", *sorted(scripts)], timeout=300).stdout)
 
 
+def require_chromium():
+    """Skip a browser test where Chromium is missing; under CI (CI=true) fail instead: CI must run it."""
+    from headless_chromium import find_chromium
+    if find_chromium() is None:
+        message = "chromium is not installed (apt-get install -y chromium)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message + "; CI must run the browser test")
+        pytest.skip(message)
+
+
 def max_rel_diff(a: dict, b: dict) -> float:
     """The largest difference between two state dicts, per tensor relative to the tensor's largest magnitude."""
     assert a.keys() == b.keys()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, lesson
-from headless_chromium import Chromium, find_chromium
+from conftest import REPO, lesson, require_chromium
+from headless_chromium import Chromium
 from tensorboard_server import PROFILER_API, tensorboard
 
 pytestmark = pytest.mark.slow
@@ -82,11 +82,7 @@ LOSS_CHART_POINTS = r"""
 
 @pytest.mark.browser
 def test_scalars_page_draws_the_loss_chart(served):
-    if find_chromium() is None:
-        message = "chromium is not installed (apt-get install -y chromium)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message + "; CI must run the browser test")
-        pytest.skip(message)
+    require_chromium()
     _, _, tb = served
     artifacts = Path(os.environ.get("TEST_ARTIFACTS", REPO / "test-artifacts"))
     with Chromium(window=(1400, 1600)) as browser:

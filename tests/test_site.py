@@ -22,8 +22,8 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from conftest import REPO, run
-from headless_chromium import Chromium, find_chromium
+from conftest import REPO, require_chromium, run
+from headless_chromium import Chromium
 
 if sys.version_info < (3, 11):  # requirements-docs.txt installs Sphinx 9 only there
     pytest.skip("the website needs Python >= 3.11 (Sphinx 9)", allow_module_level=True)
@@ -171,11 +171,7 @@ def served(built):
 
 @pytest.mark.browser
 def test_a_lesson_page_in_a_browser(served):
-    if find_chromium() is None:
-        message = "chromium is not installed (apt-get install -y chromium)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message + "; CI must run the browser test")
-        pytest.skip(message)
+    require_chromium()
     index = next(i for i, lesson in enumerate(LESSONS) if lesson["id"] == BROWSED)
     lesson, previous, following = LESSONS[index], LESSONS[index - 1], LESSONS[index + 1]
     artifacts = Path(os.environ.get("TEST_ARTIFACTS", REPO / "test-artifacts"))
