@@ -73,8 +73,8 @@ def plan(model_fn, world_size: int, states_per_parameter: int = 1) -> dict:
         full += p.numel() * p.element_size()
         sharded += math.ceil(rows / world_size) * per_row * p.element_size()
     copies = 2 + states_per_parameter
-    return {"parameters": sum(p.numel() for p in model.parameters()), "ddp": copies * full,
-            "fsdp": copies * sharded, "world_size": world_size}
+    return {"parameters": sum(p.numel() for p in model.parameters()), "states": states_per_parameter,
+            "ddp": copies * full, "fsdp": copies * sharded, "world_size": world_size}
 
 
 def budget_verdict(planned: dict, budget_mb: float) -> str:
@@ -82,13 +82,61 @@ def budget_verdict(planned: dict, budget_mb: float) -> str:
     ddp, fsdp, w = planned["ddp"] / MB, planned["fsdp"] / MB, planned["world_size"]
     fits = lambda mb: "fits" if mb <= budget_mb else "does not fit"
     return (f"per-rank budget {budget_mb:g} MB: DDP's full replica needs {ddp:.2f} MB ({fits(ddp)}); "
-            f"FSDP2 over {w} ranks needs {fsdp:.2f} MB ({fits(fsdp)})")
+            f"FSDP2 over {w} rank{'s' * (w > 1)} needs {fsdp:.2f} MB ({fits(fsdp)})")
 
 
-def gather(info: dict) -> list:
-    """Every rank's dict, on every rank (a collective: all ranks call it)."""
+def gather(rank: int, model, optimizer, after_forward: dict) -> list:
+    """What this rank holds (printed with its rank), and every rank's counts on every rank (a collective:
+    all ranks call it).  FSDP2 keeps the root module's gathered parameters after a forward pass, and with
+    reshard_after_forward=False every block's too, until a backward frees them; evaluation's forward has no
+    backward: `reshard()` on every sharded module frees them first, so that the count is the shards."""
     import torch.distributed as dist
 
+    from course.output import rank_print
+
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    holds = dict(held(model, optimizer), after_forward=after_forward["peak"])
+    rank_print(rank, "holds " + ", ".join(f"{k.replace('_', ' ')} {v / MB:.3f} MB" for k, v in holds.items()))
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, info)
+    dist.all_gather_object(everyone, holds)
     return everyone
+
+
+def add_budget_arg(p, default_mb: float):
+    p.add_argument("--memory-budget-mb", type=float, default=default_mb,
+                   help="MB per rank for parameters, gradients and optimizer state: the run stops before "
+                        "it starts if FSDP2 needs more (0: no budget)")
+    return p
+
+
+def check_plan(args, model_from_args) -> None:
+    """DDP's and FSDP2's bytes per rank from the model's shapes (args.planned), before any rank starts; one
+    clear line if even FSDP2 does not fit the budget, or if the model has no blocks to shard."""
+    from course.cli import CourseError
+
+    if args.model != "vit":
+        raise CourseError(f"--model {args.model}: lesson 15 shards the ViT block by block (model.blocks); "
+                          f"use --model vit")
+    if args.memory_budget_mb < 0:
+        raise CourseError(f"--memory-budget-mb {args.memory_budget_mb:g}: must be 0 (no budget) or more")
+    args.planned = plan(lambda: model_from_args(args, args.seed), world_size_of(args))
+    if args.memory_budget_mb and args.planned["fsdp"] > args.memory_budget_mb * MB:
+        raise CourseError(budget_verdict(args.planned, args.memory_budget_mb) + "; use more ranks, a smaller "
+                          "--width or --depth, or a larger --memory-budget-mb")
+
+
+def report(per_rank: list, planned: dict, budget_mb: float) -> None:
+    """Rank 0's summary: what each rank holds against DDP's full replica, and the budget's verdict."""
+    w, ddp = len(per_rank), planned["ddp"]
+    most = max(r["total"] for r in per_rank)
+    print(f"parameters + gradients + optimizer state per rank: FSDP2 {most / MB:.3f} MB on the fullest of {w} "
+          f"ranks, DDP's full replica {ddp / MB:.3f} MB: {most / ddp:.3f} of DDP's (1/{w} = {1 / w:.3f})")
+    held = ", ".join(f"{r['after_forward'] / MB:.3f}" for r in per_rank)
+    print(f"parameter MB held from forward to backward, per rank: {held} (whole model: "
+          f"{planned['ddp'] / (2 + planned.get('states', 1)) / MB:.3f} MB)")
+    if budget_mb:
+        print(budget_verdict(planned, budget_mb), flush=True)

@@ -1,0 +1,153 @@
+"""Lesson 15: sharding with FSDP2: each rank holds 1/W of the parameters, gradients and optimizer state.
+
+    python day3/15_fsdp2.py --nproc 2 --quick
+    torchrun --nproc_per_node=4 day3/15_fsdp2.py --reshard-after-forward false
+    srun --ntasks=4 python day3/15_fsdp2.py --precision bf16
+
+Lesson 13's loop, with DDP replaced by FSDP2 (`torch.distributed.fsdp.fully_shard`):
+- DDP keeps a full replica on every rank: all parameters, all gradients, all of the optimizer's state.  That
+  replica, not the batch, is what stops a model from training once it outgrows one GPU.
+- `fully_shard` on each transformer block, then on the root (embedding, position, final norm, head), on an
+  explicit device mesh (`init_device_mesh`: "cpu" with gloo, "cuda" with NCCL).  Each parameter becomes a
+  DTensor sharded on dim 0: rank r stores rows r/W to (r+1)/W (`p.to_local()`), and so do its gradient and
+  its momentum buffer, because the optimizer only ever sees the shards.
+- Forward: before a block runs, its shards are all_gathered into whole parameters; after it, they are freed
+  again (`reshard_after_forward=True`, ZeRO-3) or kept until backward (`False`, ZeRO-2: no second all_gather
+  in backward, but the whole model's parameters held between forward and backward).  The root's parameters
+  are kept after forward either way (backward needs them first).  Backward: each block's gradients are
+  reduce_scattered, so every rank receives the average of its own rows only.
+- The same global batches give the same weights as lesson 13's DDP (up to float rounding: the sums run in
+  another order), and the gradient clip works on DTensors: clip_grad_norm_ all_reduces the shards' norms.
+- `--precision bf16`: FSDP's MixedPrecisionPolicy all_gathers the parameters in bf16 (half the bytes sent)
+  and computes every layer in bf16 (unlike lesson 13's autocast, layer norms too); the sharded weights, their
+  gradients and the optimizer stay fp32.  `--reduce-precision bf16` also reduce_scatters the gradients in
+  bf16 (half the bytes again, rounded sums).  gloo in torch 2.14.1 runs all_gather and reduce_scatter on bf16
+  tensors (older releases had no bf16 in gloo); fp16 is left out: it needs a gradient scaler whose overflow
+  check is agreed by all ranks (each rank sees only its own shard of the gradients).
+- SGD with momentum, as in lesson 13, so that the two lessons train the same thing: its state is one tensor
+  per parameter; Adam's is two, which makes the replica 4 copies of the parameters instead of 3 (exercise 3).
+- `--memory-budget-mb`: the bytes per rank of parameters, gradients and optimizer state, computed from the
+  model's shapes before any rank starts, under DDP and under FSDP2; the run stops if FSDP2 does not fit.
+  The default model (width 128, depth 4) needs 6.2 MB per rank under DDP: over the default budget of 4 MB,
+  a stand-in for one GPU's memory (x1000 for a real one), while FSDP2 over 2 ranks needs 3.1 MB.
+--batch-size is per rank.  Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other
+torch.distributed line (sharding included).
+"""
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from course import cli
+from course.evaluate import evaluate
+from course import memory
+from course.launch import backend_for, launch, setup_device
+from course.models import add_vit_args, check_vit_args, model_from_args
+from course.output import plot_curves, rank_print, save_weights, write_json
+from course.precision import DTYPES, check_precision
+from course.profiling import add_profile_args, maybe_profile
+from data_tools.datasets import InMemoryMNIST, batches, require
+
+
+def worker(info, args):
+    rank, world_size = info.rank, info.world_size
+    device = setup_device(args.device, info.local_rank)
+    dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
+                            timeout=timedelta(seconds=args.timeout))
+    require(args.dataset, args.data_dir)
+    train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
+    test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
+
+    model = model_from_args(args, args.seed).to(device)  # the same seed on every rank: the same weights
+    mesh = init_device_mesh(device.type, (world_size,))  # DIST: the ranks that share the model, in a row
+    dtype = DTYPES[args.precision]
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, output_dtype=torch.float32)  # DIST: in dtype
+    for block in model.blocks:  # DIST: one unit per block: gathered just before it runs, freed after
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=args.reshard_after_forward == "true")
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # DIST: the root: what no block owns, and the hooks
+    after_forward = memory.watch_after_forward(model)  # parameter bytes held from forward to backward
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    # DDP: rank r gets every W-th index of the epoch's shuffled order; padded so all shards are equal
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    if args.loader == "dataloader":  # the loop to write for your own dataset
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    else:  # the same batches, each gathered from the in-memory tensors at once (data_tools/datasets.py)
+        loader = batches(train_set, sampler, args.batch_size)
+    prof = maybe_profile(args, rank, device)  # --profile: lesson 5's traces and TensorBoard scalars
+    losses, norms, step, start = [], [], 0, time.perf_counter()
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)  # DIST: each block all_gathered as it runs
+            optimizer.zero_grad()
+            loss.backward()  # DDP: each block's gradients reduce_scattered: this rank gets its rows' average
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+            optimizer.step()  # updates this rank's shards only
+            losses.append(loss.detach())
+            norms.append(norm.full_tensor().detach())  # DIST: a DTensor holding the same norm on every rank
+            step += 1
+            prof.step(loss, world_size * len(y))
+            if step == args.max_steps:
+                break
+        accuracy, test_loss, counted = evaluate(model, test_set, rank, world_size)  # every rank: it gathers
+        prof.epoch(epoch, accuracy, test_loss)
+        if rank == 0:
+            rank_print(rank, f"epoch {epoch}: test loss {test_loss:.4f}, test accuracy {accuracy:.4f} "
+                             f"({counted} test images, each counted once)")
+        if step == args.max_steps:
+            break
+    seconds = time.perf_counter() - start
+    prof.close()
+    rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch)")
+    per_rank = memory.gather(rank, model, optimizer, after_forward)  # DIST: what every rank holds, in bytes
+    full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}  # DIST: all_gathers, all ranks
+    losses = torch.stack(losses)
+    dist.all_reduce(losses)  # DIST: the loss of each global batch, averaged over ranks (one call at the end)
+    losses = (losses / world_size).tolist()
+    if rank == 0:  # DIST: one process writes the outputs
+        global_batch = world_size * args.batch_size
+        samples = min(step * global_batch, args.epochs * world_size * len(sampler))
+        run = args.run_dir
+        write_json(run / "metrics.json", {
+            "lesson": "15_fsdp2", "dataset": args.dataset, "model": args.model,
+            "precision": args.precision, "world_size": world_size, "backend": dist.get_backend(),
+            "batch_size": args.batch_size, "global_batch_size": global_batch, "lr": args.lr,
+            "epochs": args.epochs, "steps": step, "planned": args.planned,
+            "reshard_after_forward": args.reshard_after_forward, "per_rank_bytes": per_rank,
+            "samples_seen": samples, "train_seconds": seconds, "samples_per_second": samples / seconds,
+            "test_accuracy": accuracy, "test_loss": test_loss, "loss_per_step": losses,
+            "grad_norm_per_step": torch.stack(norms).tolist()})
+        save_weights(run / "model.pt", full)
+        plot_curves(run / "loss.png", {f"{args.precision}, {world_size} ranks": (range(1, step + 1), losses)},
+                    "step", "training loss (mean over ranks)", f"{args.model}, global batch {global_batch}")
+        memory.report(per_rank, args.planned, args.memory_budget_mb)
+        print(f"{world_size} ranks x batch {args.batch_size} = global batch {global_batch}, {args.precision}: "
+              f"test accuracy {accuracy:.4f}; outputs in {run}", flush=True)
+    dist.destroy_process_group()
+
+
+def build_parser():
+    p = cli.add_loader(cli.add_distributed(cli.parser(__doc__, "day3/15_fsdp2.py", nproc_default=2)))
+    p.add_argument("--reshard-after-forward", default="true", choices=("true", "false"),
+                   help="true: free a block's gathered parameters after its forward (ZeRO-3); false: keep them")
+    p.add_argument("--precision", default="fp32", choices=("bf16", "fp32"),
+                   help="the dtype parameters are gathered and computed in, and gradients reduced in")
+    p.add_argument("--clip-grad-norm", type=cli.positive_float, default=1.0,
+                   help="clip the gradients' total norm to this")
+    return memory.add_budget_arg(add_profile_args(add_vit_args(p, width=128)), default_mb=4.0)
+
+
+if __name__ == "__main__":
+    cli.main(lambda args: (require(args.dataset, args.data_dir), check_vit_args(args), check_precision(args),
+                           memory.check_plan(args, model_from_args), launch(worker, args)), build_parser())
