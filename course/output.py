@@ -51,9 +51,10 @@ def write_csv(path, rows: list, fieldnames=None) -> Path:
 
 
 def save_weights(path, model) -> Path:
-    """The model's state dict (unwrapped from DDP), on the CPU so it loads anywhere."""
+    """The model's state dict (unwrapped from DDP), on the CPU so it loads anywhere; or a state dict itself
+    (lesson 15 gathers its sharded parameters into one first)."""
     model = getattr(model, "module", model)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu() for k, v in (model if isinstance(model, dict) else model.state_dict()).items()}
     return _atomic_write(path, lambda f: torch.save(state, f))
 
 
