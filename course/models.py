@@ -86,15 +86,16 @@ class ViT(nn.Module):
         return self.head(self.norm(x).mean(1))
 
 
-def add_vit_args(p):
-    """Day 3's command line: --model also takes vit (its default there) and the ViT's size is four flags."""
+def add_vit_args(p, width: int = 64):
+    """Day 3's command line: --model also takes vit (its default there) and the ViT's size is four flags;
+    `width` is the default of --width (lesson 15 starts from a wider model)."""
     from course.cli import positive_int
 
     model = next(a for a in p._actions if a.dest == "model")
     model.choices, model.default = (*model.choices, "vit"), "vit"
     model.help = f"{model.help}; vit: a small Vision Transformer (course/models.py), sized by the flags below"
     p.add_argument("--patch", type=int, default=7, choices=(1, 2, 4, 7, 14), help="ViT patch size (7: 16 tokens)")
-    p.add_argument("--width", type=positive_int, default=64, help="ViT token width (a multiple of --heads)")
+    p.add_argument("--width", type=positive_int, default=width, help="ViT token width (a multiple of --heads)")
     p.add_argument("--depth", type=positive_int, default=4, help="ViT blocks")
     p.add_argument("--heads", type=positive_int, default=4, help="ViT attention heads per block")
     return p
