@@ -71,7 +71,7 @@ def worker(info, args):
     model = model_from_args(args, args.seed).to(device)  # the same seed on every rank: the same weights
     mesh = init_device_mesh(device.type, (world_size,))  # DIST: the ranks that share the model, in a row
     dtype = DTYPES[args.precision]
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, output_dtype=torch.float32)  # DIST: in dtype
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)  # DIST: gather, compute, reduce in dtype
     for block in model.blocks:  # DIST: one unit per block: gathered just before it runs, freed after
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=args.reshard_after_forward == "true")
     fully_shard(model, mesh=mesh, mp_policy=policy)  # DIST: the root: what no block owns, and the hooks
@@ -89,7 +89,7 @@ def worker(info, args):
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
         for x, y in loader:
-            loss = F.cross_entropy(model(x), y)  # DIST: each block all_gathered as it runs
+            loss = F.cross_entropy(model(x).float(), y)  # DIST: each block all_gathered as it runs; fp32 loss
             optimizer.zero_grad()
             loss.backward()  # DDP: each block's gradients reduce_scattered: this rank gets its rows' average
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
