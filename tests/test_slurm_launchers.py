@@ -343,6 +343,8 @@ RUNS = {
     "0_torch_dist": [],
     # fp16 for 6 steps with an inf injected into rank 1's loss at step 3: both ranks skip it
     "13_mixed_precision": SMALL + ["--precision", "fp16", "--max-steps", "6", "--overflow-at", "3"],
+    # the default model (width 128) over 2 ranks: over the default 4 MB budget under DDP, within it sharded
+    "15_fsdp2": SMALL + ["--max-steps", "6"],
     "create_mnist_h5": ["--chunk-samples", "500", "--output", "{work}/made-by-job.h5"],
 }
 JOB_TIMEOUT = 420
@@ -443,6 +445,12 @@ def check_12_ddp_fault_tolerance(log, work):
 def check_13_mixed_precision(log, work):
     assert sorted(re.findall(r"\[rank (\d)\] step 3 skipped \(inf/NaN gradients", log)) == ["0", "1"]
     assert "global batch 128, fp16: test accuracy" in log and "weights identical on all ranks: True" in log
+
+
+def check_15_fsdp2(log, work):
+    assert "DDP's full replica needs 6.18 MB (does not fit); FSDP2 over 2 ranks needs 3.10 MB (fits)" in log
+    ratio = float(re.search(r"MB: (0\.\d+) of DDP's \(1/2 = 0.500\)", log).group(1))
+    assert ratio <= 0.55 and "global batch 128, fp32: test accuracy" in log
 
 
 def check_create_mnist_h5(log, work):
