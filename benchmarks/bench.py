@@ -12,7 +12,8 @@ Every comparison is a ratio of two measurements of this run; the goal column mar
 path and the memory-copy limit), hdf5 (lesson 11's chunked streaming, cold and warm, vs memory), sync
 (per-step gradient synchronization at world size 2: lesson 4 by hand vs torch DDP vs gloo's bandwidth),
 train (1 process x all cores vs 2 ranks x 1 thread; one GPU when CUDA is present), startup (launch and
-process-group init for 2 and 4 ranks, per launcher), precision (lesson 13's ViT step in fp32, bf16, fp16).
+process-group init for 2 and 4 ranks, per launcher), precision (lesson 13's ViT step in fp32, bf16, fp16),
+fsdp (lesson 15's FSDP2 against DDP at 2 and 4 ranks: bytes per rank and step time).
 """
 import os
 import platform
@@ -92,10 +93,10 @@ def run(args):
             "size": "smoke" if args.smoke else "large" if args.large else "default"}
     print(meta_line(meta), flush=True)
 
-    from benchmarks import grad_sync, hdf5_stream, input_pipeline, precision, startup, training
+    from benchmarks import fsdp, grad_sync, hdf5_stream, input_pipeline, precision, startup, training
 
     modules = {"input": input_pipeline, "hdf5": hdf5_stream, "sync": grad_sync, "train": training,
-               "startup": startup, "precision": precision}
+               "startup": startup, "precision": precision, "fsdp": fsdp}
     rows, seconds = [], {}
     for name in args.sections:
         start = time.perf_counter()
