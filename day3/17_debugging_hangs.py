@@ -1,0 +1,159 @@
+"""Lesson 17: debugging a hung or mismatched job: make each rank say where it is stuck and what the others did.
+
+    python day3/17_debugging_hangs.py --nproc 2 --quick --bug skip
+    torchrun --nproc_per_node=2 day3/17_debugging_hangs.py --quick --bug uneven
+    srun --ntasks=2 python day3/17_debugging_hangs.py --quick --bug shape
+
+Lesson 6's DDP loop with three mistakes learners make, one at a time (--bug; none: the healthy run):
+- skip: a rank skips a collective.  Rank 0 writes a checkpoint every --save-every steps and every rank then
+  waits in a barrier, so that no rank reads a half-written file; with the barrier indented under
+  `if rank == 0`, rank 0 waits in it while the other ranks go on into the next step's gradient all_reduce.
+- uneven: ranks with different numbers of batches.  The last rank's shard holds one batch more (a data set
+  split by hand into files of different sizes, without DistributedSampler's padding): the other ranks finish
+  the epoch and wait in the barrier before the test, the last one waits in DDP's all_reduce of its backward.
+- shape: ranks all_reduce tensors of different sizes (the last rank sends one number more in the loss that
+  is logged every step).
+gloo pairs the n-th collective of every rank whatever it is: a barrier against an all_reduce waits until
+--timeout (short here: 10 s) and raises on both ranks.  All_reduces of different sizes may abort the process
+that receives more bytes than it expects ("Received data size doesn't match expected size", seen with 4
+against 5 numbers) or, as with --bug shape's 2 against 3, complete on one rank with wrong numbers: that rank
+goes on and waits in its next collective while the other still waits in the all_reduce.  NCCL does not
+check sizes at all.
+What each tool tells (all checked with torch 2.14.1, gloo):
+- the timeout (init_process_group's `timeout`): without it a rank waits for ever; with it each rank raises
+  in the collective it waited in.  course/debugging.py turns that into one line per rank: the collective, its
+  sequence number, shapes and the lesson line that issued it, how long the rank waited, and the last
+  collective every other rank had entered (read from the rendezvous store, which outlives gloo's connections):
+  "rank 0 waited 10.0 s in barrier #16 (...) and stopped: timed out ...; rank 1 last entered all_reduce #16
+  (shape [101770], ...)": the gradient bucket of DDP's backward against a barrier.  The launcher of --nproc,
+  torchrun and srun --kill-on-bad-exit then end the job.
+- TORCH_DISTRIBUTED_DEBUG=DETAIL: before each collective the ranks compare its fingerprint (type, sequence
+  number, shapes, dtypes); a mismatch raises at once on every rank, naming both sides ("Rank 0 is running
+  collective: ...TensorShape=[4]..., but Rank 1 is running collective: ...TensorShape=[5]..."; when the two
+  differ in type the other side is shown garbled, as an internal REDUCE or GATHER).  In torch 2.14.1 on the
+  CPU, DistributedDataParallel's constructor crashes under DETAIL (SIGSEGV, even for one Linear layer; INFO
+  works), so this lesson cannot run under it: try it on plain collectives (exercise 3).  It costs an extra
+  collective per collective: for debugging only.
+- the flight recorder (TORCH_FR_BUFFER_SIZE, set to 2000 here): the last collectives of each rank with the
+  Python stack that issued them.  gloo's are recorded (state "scheduled" only), but the automatic dump on a
+  timeout (TORCH_NCCL_DUMP_ON_TIMEOUT, TORCH_FR_DUMP_TEMP_FILE) is NCCL's watchdog's only; here each failed
+  rank writes RUN_DIR/flight_recorder/rank_R itself, and the analyzer names the culprit:
+      python -m torch.distributed.flight_recorder.fr_trace RUN_DIR/flight_recorder -p rank_
+  ("Culprit rank 1; Error type: COLLECTIVE_TYPE_MISMATCH ...").  The dump is fixed up first: torch 2.14.1's
+  analyzer stops with KeyError on a gloo dump as it comes (course/debugging.py).
+- a stack dump of every rank while it hangs: `py-spy dump --pid PID` (needs ptrace: root, or
+  kernel.yama.ptrace_scope=0, or docker --cap-add SYS_PTRACE), or, always available, faulthandler: each rank
+  prints every thread's Python stack on SIGUSR1 (`kill -USR1` the launcher of --nproc: it passes the signal
+  on to every rank; under torchrun, each rank's PID).  Under Slurm: `scancel --signal=USR1 JOBID` reaches
+  every rank of the job's steps, or `srun --overlap --jobid JOBID -w NODE py-spy dump --pid PID` runs py-spy
+  beside a running step.  A rank killed by gloo's abort prints its stack too (faulthandler).
+Every repro ends within --timeout plus a few seconds with a non-zero exit.
+Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
+"""
+import sys
+import time
+from functools import partial
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from course import cli, debugging, results
+from course.evaluate import evaluate
+from course.launch import backend_for, launch, setup_device
+from course.models import build_model
+from course.output import rank_print
+from course.profiling import add_profile_args, maybe_profile
+from data_tools.datasets import InMemoryMNIST, batches, require
+
+
+def worker(info, args):
+    rank, world_size = info.rank, info.world_size
+    device = setup_device(args.device, info.local_rank)
+    debugging.install(rank)  # flight recorder on; every thread's Python stack on SIGUSR1 and on a crash
+    dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
+                            timeout=timedelta(seconds=args.timeout))
+    require(args.dataset, args.data_dir)
+    train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
+    test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
+
+    model = build_model(args.model, args.seed + rank).to(device)
+    # DDP: broadcasts rank 0's weights at wrap time, then all_reduces gradient buckets during backward
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                bucket_cap_mb=args.bucket_cap_mb)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    # DDP: rank r gets every W-th index of the epoch's shuffled order; padded so all shards are equal
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    prof = maybe_profile(args, rank, device)  # --profile: lesson 5's traces and TensorBoard scalars
+    losses, step, start = [], 0, time.perf_counter()
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
+        shard = list(sampler)  # DDP: this rank's indices; DistributedSampler pads them so all shards are equal
+        if args.bug == "uneven" and rank == world_size - 1:
+            shard += shard[:args.batch_size]  # BUG uneven: one batch more than the other ranks
+        if args.loader == "dataloader":
+            loader = DataLoader(train_set, batch_size=args.batch_size, sampler=shard)
+        else:
+            loader = batches(train_set, shard, args.batch_size)
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()  # DDP: gradients arrive averaged over ranks when backward returns
+            optimizer.step()
+            stats = torch.stack([loss.detach() * len(y), torch.tensor(float(len(y)), device=device)])
+            if args.bug == "shape" and rank == world_size - 1:
+                stats = torch.cat([stats, stats[:1]])  # BUG shape: this rank sends one number more
+            dist.all_reduce(stats)  # DIST: the loss over the global batch, for the log
+            losses.append(stats[0] / stats[1])
+            step += 1
+            prof.step(loss, world_size * len(y))
+            if step % args.save_every == 0:
+                if rank == 0:  # one rank writes the checkpoint
+                    torch.save(model.module.state_dict(), args.run_dir / "checkpoint.pt")
+                if rank == 0 or args.bug != "skip":  # BUG skip: the barrier indented under `if rank == 0`
+                    dist.barrier()  # DIST: no rank goes on before the checkpoint is written
+            if step == args.max_steps:
+                break
+        dist.barrier()  # DIST: every rank has finished its epoch before the test
+        accuracy, test_loss, counted = evaluate(model.module, test_set, rank, world_size)
+        prof.epoch(epoch, accuracy, test_loss)
+        if rank == 0:
+            rank_print(rank, f"epoch {epoch}: test loss {test_loss:.4f}, test accuracy {accuracy:.4f} "
+                             f"({counted} test images, each counted once)")
+        if step == args.max_steps:
+            break
+    seconds = time.perf_counter() - start
+    prof.close()
+    rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch)")
+
+    losses = [loss.item() for loss in losses]  # already averaged over the global batch
+    if rank == 0:  # DIST: one process writes the outputs
+        # metrics.json, model.pt, loss.png and the line that sums it up
+        results.write(args, model, losses, seconds, accuracy, test_loss, len(sampler))
+    dist.destroy_process_group()
+
+
+def build_parser():
+    p = cli.add_loader(cli.add_distributed(cli.parser(__doc__, "day3/17_debugging_hangs.py", nproc_default=2)))
+    p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0,
+                   help="DDP's gradient bucket size in MB (the MLP's gradients are 0.4 MB: one bucket)")
+    p.add_argument("--bug", default="none", choices=debugging.BUGS,
+                   help="skip: rank 0 alone enters a barrier; uneven: the last rank has one batch more; "
+                        "shape: the last rank all_reduces one number more; none: the healthy run")
+    p.add_argument("--save-every", type=cli.positive_int, default=5, help="a checkpoint every N steps")
+    p.set_defaults(timeout=10.0)  # seconds a rank waits in a collective: short, so that a hang ends soon
+    return add_profile_args(p)
+
+
+if __name__ == "__main__":
+    cli.main(lambda args: (debugging.check_args(args), require(args.dataset, args.data_dir),
+                           launch(partial(debugging.named_failures, worker), args)), build_parser())
