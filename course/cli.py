@@ -53,6 +53,7 @@ def parser(doc: str, lesson: str, *, data=True, outputs=True, nproc_default=None
     """The shared options.  `doc` is the lesson's docstring (its first paragraph is the description)."""
     p = Parser(prog=f"python {lesson}", description=doc.strip().split("\n\n")[0],
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.set_defaults(lesson=Path(lesson).stem)  # the name metrics.json gives the run (course/results.py)
     if nproc_default is not None:
         p.add_argument("--nproc", type=positive_int, default=nproc_default,
                        help="processes to spawn when started with plain python "
@@ -94,6 +95,21 @@ def add_loader(p: Parser, default: str = "dataloader") -> Parser:
                    help="dataloader: a DataLoader over the DistributedSampler, the loop for any dataset; "
                         "memory: the same batches in the same order, gathered from the in-memory tensors "
                         "(faster)")
+    return p
+
+
+def add_sync(p: Parser, ddp: bool = False) -> Parser:
+    """--sync, how lessons 4 and 5 average the gradients; with `ddp` (lesson 5) also torch DDP's way, and
+    --compare and --bucket-cap-mb."""
+    p.add_argument("--sync", default="per-param", choices=("per-param", "flat", "ddp")[:3 if ddp else 2],
+                   help="per-param: one all_reduce per parameter tensor; flat: one for all gradients"
+                        + ("; ddp: torch DDP's bucketed all_reduce during backward (lesson 6)" if ddp else ""))
+    if ddp:
+        p.add_argument("--compare", action="store_true",
+                       help="train with all three --sync variants, one after the other, each into "
+                            "LOG_DIR/<sync>, and print them side by side")
+        p.add_argument("--bucket-cap-mb", type=positive_float, default=25.0,
+                       help="--sync ddp: gradient bucket size in MB (the MLP's 0.4 MB fit in one bucket)")
     return p
 
 

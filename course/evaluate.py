@@ -10,7 +10,9 @@ import torch.distributed as dist
 
 @torch.no_grad()
 def evaluate(model, test_set, rank: int = 0, world_size: int = 1, batch_size: int = 1000):
-    """(accuracy, mean loss, samples counted) over all of `test_set`, summed across ranks."""
+    """(accuracy, mean loss, samples counted) over all of `test_set`, summed across ranks.  A DDP-wrapped
+    model is evaluated through its `.module` (no DDP hooks)."""
+    model = getattr(model, "module", model)
     n = len(test_set)
     start, stop = n * rank // world_size, n * (rank + 1) // world_size
     was_training = model.training

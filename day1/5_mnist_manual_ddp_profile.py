@@ -41,14 +41,12 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule,
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli, profiling
+from course import cli, profiling, results
 from course.evaluate import evaluate
 from course.launch import backend_for, launch, setup_device
 from course.models import build_model
-from course.output import plot_curves, rank_print, save_weights, write_json
+from course.output import rank_print, write_json
 from data_tools.datasets import InMemoryMNIST, batches, require
-
-SYNCS = ("per-param", "flat", "ddp")
 
 
 def average_gradients(model, world_size):
@@ -154,7 +152,7 @@ def train(info, device, args, train_set, test_set):
             if step == args.max_steps:
                 break
         epoch_seconds = time.perf_counter() - epoch_start
-        accuracy, test_loss, counted = evaluate(getattr(model, "module", model), test_set, rank, world_size)
+        accuracy, test_loss, counted = evaluate(model, test_set, rank, world_size)
         if rank == 0:
             rank_print(rank, f"epoch {epoch}: test loss {test_loss:.4f}, test accuracy {accuracy:.4f} "
                              f"({counted} test images, each counted once)")
@@ -165,29 +163,16 @@ def train(info, device, args, train_set, test_set):
     profiler.stop()
     rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch)")
 
-    losses = torch.stack(losses)
-    dist.all_reduce(losses)  # DIST: the loss of each global batch, averaged over ranks (one call at the end)
-    losses = (losses / world_size).tolist()
+    losses = results.mean_over_ranks(losses)  # DIST: the loss of each global batch, averaged over ranks
     dist.barrier()  # DIST: every rank's trace is on disk before rank 0 reads them all
     if rank == 0:  # DIST: one process writes the outputs
         writer.close()
         communication = profiling.comm_summary(log_dir)  # what the traces say about gradient sync
-        global_batch = world_size * args.batch_size
-        samples = min(step * global_batch, args.epochs * world_size * len(sampler))
-        run = args.run_dir
-        write_json(run / "metrics.json", {
-            "lesson": "5_mnist_manual_ddp_profile", "dataset": args.dataset, "model": args.model, "sync": args.sync,
-            "world_size": world_size, "backend": dist.get_backend(), "batch_size": args.batch_size,
-            "global_batch_size": global_batch, "lr": args.lr, "epochs": args.epochs, "steps": step,
-            "samples_seen": samples, "train_seconds": seconds, "samples_per_second": samples / seconds,
-            "test_accuracy": accuracy, "test_loss": test_loss, "loss_per_step": losses, "log_dir": str(log_dir),
-            "profiled_steps": profiling.profiled_steps(args), "communication": communication})
-        write_json(run / "shards.json", {"dataset_size": len(train_set), "epoch": 0, "shards": shards})
-        save_weights(run / "model.pt", model)
-        plot_curves(run / "loss.png", {f"{world_size} ranks": (range(1, step + 1), losses)}, "step",
-                    "training loss (mean over ranks)", f"{args.model}, global batch {global_batch}")
-        print(f"{world_size} ranks x batch {args.batch_size} = global batch {global_batch}; test accuracy "
-              f"{accuracy:.4f}; outputs in {run}", flush=True)
+        # metrics.json, model.pt, loss.png and the line that sums it up
+        results.write(args, model, losses, seconds, accuracy, test_loss, len(sampler), sync=args.sync,
+                      log_dir=str(log_dir), profiled_steps=profiling.profiled_steps(args),
+                      communication=communication)
+        write_json(args.run_dir / "shards.json", {"dataset_size": len(train_set), "epoch": 0, "shards": shards})
         profiling.print_communication(communication, args, world_size)  # the table of this --sync
     return communication if rank == 0 else None
 
@@ -195,15 +180,7 @@ def train(info, device, args, train_set, test_set):
 def build_parser():
     p = cli.add_loader(cli.add_distributed(cli.parser(__doc__, "day1/5_mnist_manual_ddp_profile.py",
                                                       nproc_default=2)), "memory")
-    p.add_argument("--sync", default="per-param", choices=SYNCS,
-                   help="per-param: one all_reduce per parameter tensor; flat: one for all gradients; "
-                        "ddp: torch DDP's bucketed all_reduce during backward (lesson 6)")
-    p.add_argument("--compare", action="store_true",
-                   help="train with all three --sync variants, one after the other, each into "
-                        "LOG_DIR/<sync>, and print them side by side")
-    p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0,
-                   help="--sync ddp: gradient bucket size in MB (the MLP's 0.4 MB fit in one bucket)")
-    return profiling.add_schedule_args(p)  # --log-dir, --wait, --warmup, --active
+    return profiling.add_schedule_args(cli.add_sync(p, ddp=True))  # --sync, --compare; --log-dir, --wait, ...
 
 
 if __name__ == "__main__":

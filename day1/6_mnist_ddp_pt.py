@@ -34,11 +34,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli
+from course import cli, results
 from course.evaluate import evaluate
 from course.launch import backend_for, launch, setup_device
 from course.models import build_model
-from course.output import plot_curves, rank_print, save_weights, write_json
+from course.output import rank_print
 from course.profiling import add_profile_args, maybe_profile
 from data_tools.datasets import InMemoryMNIST, batches, require
 
@@ -89,24 +89,10 @@ def worker(info, args):
     prof.close()
     rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch)")
 
-    losses = torch.stack(losses)
-    dist.all_reduce(losses)  # DIST: the loss of each global batch, averaged over ranks (one call at the end)
-    losses = (losses / world_size).tolist()
+    losses = results.mean_over_ranks(losses)  # DIST: the loss of each global batch, averaged over ranks
     if rank == 0:  # DIST: one process writes the outputs
-        global_batch = world_size * args.batch_size
-        samples = min(step * global_batch, args.epochs * world_size * len(sampler))
-        run = args.run_dir
-        write_json(run / "metrics.json", {
-            "lesson": "6_mnist_ddp_pt", "dataset": args.dataset, "model": args.model,
-            "world_size": world_size, "backend": dist.get_backend(), "batch_size": args.batch_size,
-            "global_batch_size": global_batch, "lr": args.lr, "epochs": args.epochs, "steps": step,
-            "samples_seen": samples, "train_seconds": seconds, "samples_per_second": samples / seconds,
-            "test_accuracy": accuracy, "test_loss": test_loss, "loss_per_step": losses})
-        save_weights(run / "model.pt", model)
-        plot_curves(run / "loss.png", {f"{world_size} ranks": (range(1, step + 1), losses)}, "step",
-                    "training loss (mean over ranks)", f"{args.model}, global batch {global_batch}")
-        print(f"{world_size} ranks x batch {args.batch_size} = global batch {global_batch}; test accuracy "
-              f"{accuracy:.4f}; outputs in {run}", flush=True)
+        # metrics.json, model.pt, loss.png and the line that sums it up
+        results.write(args, model, losses, seconds, accuracy, test_loss, len(sampler))
     dist.destroy_process_group()
 
 
