@@ -32,8 +32,9 @@ Lesson 15's FSDP2 loop, with checkpoints that fit it:
 - --export PATH: one process, no process group: dcp.load(no_dist=True) assembles the whole tensors from all
   ranks' files into the plain ViT's state dict, saved as one ordinary file for inference
   (torch.load(PATH, weights_only=True); format_utils.dcp_to_torch_save does the same for everything).
---batch-size is per rank.  Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other
-torch.distributed line (sharding and checkpoints included).
+--batch-size is per rank.
+Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line (sharding and
+checkpoints included).
 """
 import json
 import os
