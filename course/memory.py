@@ -130,13 +130,17 @@ def check_plan(args, model_from_args) -> None:
 
 
 def report(per_rank: list, planned: dict, budget_mb: float) -> None:
-    """Rank 0's summary: what each rank holds against DDP's full replica, and the budget's verdict."""
-    w, ddp = len(per_rank), planned["ddp"]
+    """Rank 0's summary: what each rank holds against DDP's full replica, and the budget's verdict.  Every
+    number is stored on exactly one rank under FSDP2, so all ranks' bytes together are what one DDP rank
+    holds, whatever the optimizer (the plan made before the run assumed SGD's one state per parameter)."""
+    w, ddp = len(per_rank), sum(r["total"] for r in per_rank)
     most = max(r["total"] for r in per_rank)
     print(f"parameters + gradients + optimizer state per rank: FSDP2 {most / MB:.3f} MB on the fullest of {w} "
           f"ranks, DDP's full replica {ddp / MB:.3f} MB: {most / ddp:.3f} of DDP's (1/{w} = {1 / w:.3f})")
     held = ", ".join(f"{r['after_forward'] / MB:.3f}" for r in per_rank)
-    print(f"parameter MB held from forward to backward, per rank: {held} (whole model: "
-          f"{planned['ddp'] / (2 + planned.get('states', 1)) / MB:.3f} MB)")
+    whole = sum(r["parameters"] for r in per_rank)
+    print(f"parameter MB held from forward to backward, per rank: {held} (whole model: {whole / MB:.3f} MB)")
     if budget_mb:
-        print(budget_verdict(planned, budget_mb), flush=True)
+        fits = "within it" if most <= budget_mb * MB else "over it"
+        print(f"{budget_verdict(planned, budget_mb)}; measured on the fullest rank: {most / MB:.2f} MB, {fits}",
+              flush=True)
