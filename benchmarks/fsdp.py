@@ -9,8 +9,9 @@ True (ZeRO-3) and False (ZeRO-2).  All three train on the same batches with SGD 
 - parameter bytes held from forward to backward: what the ranks keep gathered between the two passes.
 - step time: the best of rounds that interleave the three variants (each round: a barrier, k steps, a
   barrier, the slowest rank's time), ratios against DDP's (> 1: slower).  On one CPU the ranks share the
-  cores and gloo's collectives run over loopback: FSDP2 sends 1.5x DDP's bytes per step (all_gather in
-  forward, again in backward under ZeRO-3, reduce_scatter), which is the price of its memory saving.
+  cores and gloo's collectives run over loopback.  Per step FSDP2 sends an all_gather per block in forward,
+  again in backward under ZeRO-3, and a reduce_scatter: 1.5x the bytes of DDP's all_reduce under ZeRO-3, as
+  many under ZeRO-2, in more and smaller messages (one per block instead of DDP's 25 MB buckets).
 """
 import itertools
 import time
