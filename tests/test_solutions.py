@@ -518,3 +518,48 @@ def test_13_bf16_has_no_scaler_and_an_fp16_overflow_is_skipped_on_both_ranks(tmp
     assert metrics(tmp_path / "solutions/13-fp16")["skipped_steps"] == [1]
     assert re.search(r"\[rank 0\] step 1 skipped .*loss scale 65536 -> 32768", out)
     assert re.search(r"\[rank 1\] step 1 skipped .*loss scale 65536 -> 32768", out)
+
+
+# ------------------------------------------------------------------------------------------ lesson 15
+
+@solution("15_fsdp2", 1)
+@pytest.mark.slow
+def test_15_1_four_ranks_fit_two_mb_two_ranks_stop_before_starting(tmp_path, dataset):
+    out = run_solution("15_fsdp2", 1, tmp_path).stdout
+    assert "FSDP2 1.563 MB on the fullest of 4 ranks, DDP's full replica 6.179 MB: 0.253 of DDP's" in out
+    assert "measured on the fullest rank: 1.56 MB, within it" in out
+    stopped = run_solution("15_fsdp2", 1, tmp_path, line=1, check=False)
+    lines = stopped.stderr.strip().splitlines()
+    assert stopped.returncode == 1 and len(lines) == 1, stopped.stderr
+    assert "FSDP2 over 2 ranks needs 3.10 MB (does not fit)" in lines[0]
+    assert not (tmp_path / "solutions/15-two").exists()
+
+
+@solution("15_fsdp2", 2)
+@pytest.mark.slow
+def test_15_2_bf16_gathers_in_bf16_and_keeps_fp32_shards(tmp_path, dataset):
+    bf16 = run_solution("15_fsdp2", 2, tmp_path).stdout
+    fp32 = run_solution("15_fsdp2", 2, tmp_path, line=1).stdout
+    held = "[rank 0] holds parameters 1.034 MB, gradients 1.034 MB, optimizer state 1.034 MB"
+    assert held in bf16 and held in fp32
+    assert "after forward 1.030 MB" in bf16 and "after forward 1.049 MB" in fp32
+    a, b = metrics(tmp_path / "solutions/15-bf16"), metrics(tmp_path / "solutions/15-fp32")
+    gaps = [abs(x - y) for x, y in zip(a["loss_per_step"], b["loss_per_step"])]
+    assert len(gaps) == 10 and 0 < max(gaps) < 0.01, gaps  # measured: at most 0.0006
+
+
+@solution("15_fsdp2", 3)
+@pytest.mark.slow
+def test_15_3_adamw_doubles_the_optimizer_state(tmp_path, dataset):
+    sgd = "    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)\n"
+    source = (REPO / "day3/15_fsdp2.py").read_text()
+    assert source.count(sgd) == 1 and sgd.strip() in sections("15_fsdp2")[3]
+    copy = tmp_path / "day3" / "15_fsdp2_adamw.py"
+    copy.parent.mkdir()
+    copy.write_text(source.replace(sgd, "    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)\n"))
+    (line,) = commands("15_fsdp2", 3)
+    cmd, env = argv(line.replace("day3/15_fsdp2_adamw.py", str(copy)), tmp_path)
+    out = run(cmd, env={**env, "PYTHONPATH": str(REPO)}).stdout
+    assert "[rank 0] holds parameters 1.034 MB, gradients 1.034 MB, optimizer state 2.067 MB, total 4.135 MB" in out
+    assert "DDP's full replica 8.238 MB: 0.502 of DDP's" in out
+    assert "measured on the fullest rank: 4.13 MB, over it" in out
