@@ -177,3 +177,22 @@ def test_two_nodes_end_with_the_weights_of_one_node(slurm_cluster, runs):
     print(f"lesson 15, 2 nodes vs 1 node: relative weight difference {rel:.3g}")
     assert rel <= EQUAL, rel
     assert m["per_rank_bytes"] == metrics(runs["fsdp4"][0])["per_rank_bytes"]
+
+
+@pytest.mark.gpu
+def test_on_gpus_with_nccl_fsdp2_equals_ddp(gpus, dataset, tmp_path):
+    """The CUDA path (`pytest -m gpu` on a GPU node): the device mesh on "cuda", NCCL's all_gather and
+    reduce_scatter, one rank per GPU (one GPU is enough: world size 1 still runs every collective).  FSDP2
+    against lesson 13's DDP in fp32 on the same GPUs, and a bf16 run (NCCL reduces bf16 natively)."""
+    from conftest import GPU_ENV, run
+
+    args = [*COMMON, "--nproc", str(gpus), "--batch-size", str(32 // gpus)]
+    for name, script, extra in (("fsdp", SCRIPT, []), ("ddp", DDP_SCRIPT, ["--precision", "fp32"]),
+                                ("bf16", SCRIPT, ["--precision", "bf16"])):
+        run([PYTHON, REPO / script, *args, *extra, "--run-dir", tmp_path / name], env=GPU_ENV)
+    m = metrics(tmp_path / "fsdp")
+    assert m["backend"] == "nccl" and m["world_size"] == gpus
+    rel = relative(vector(tmp_path / "fsdp"), vector(tmp_path / "ddp"))
+    print(f"{gpus} GPU(s): FSDP2 against DDP, relative weight difference {rel:.3g}")
+    assert rel <= 1e-5, rel  # other kernels than on the CPU, the same order argument: not measured yet
+    assert 0 < relative(vector(tmp_path / "bf16"), vector(tmp_path / "fsdp")) <= 0.01
