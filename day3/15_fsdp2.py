@@ -9,8 +9,9 @@ Lesson 13's loop, with DDP replaced by FSDP2 (`torch.distributed.fsdp.fully_shar
   replica, not the batch, is what stops a model from training once it outgrows one GPU.
 - `fully_shard` on each transformer block, then on the root (embedding, position, final norm, head), on an
   explicit device mesh (`init_device_mesh`: "cpu" with gloo, "cuda" with NCCL).  Each parameter becomes a
-  DTensor sharded on dim 0: rank r stores rows r/W to (r+1)/W (`p.to_local()`), and so do its gradient and
-  its momentum buffer, because the optimizer only ever sees the shards.
+  DTensor sharded on dim 0: rank r stores the r-th of W chunks of its rows (`p.to_local()`; as torch.chunk
+  cuts them, rank 0's chunk is the largest), and so do its gradient and its momentum buffer, because the
+  optimizer only ever sees the shards.
 - Forward: before a block runs, its shards are all_gathered into whole parameters; after it, they are freed
   again (`reshard_after_forward=True`, ZeRO-3) or kept until backward (`False`, ZeRO-2: no second all_gather
   in backward, but the whole model's parameters held between forward and backward).  The root's parameters
@@ -18,20 +19,22 @@ Lesson 13's loop, with DDP replaced by FSDP2 (`torch.distributed.fsdp.fully_shar
   reduce_scattered, so every rank receives the average of its own rows only.
 - The same global batches give the same weights as lesson 13's DDP (up to float rounding: the sums run in
   another order), and the gradient clip works on DTensors: clip_grad_norm_ all_reduces the shards' norms.
-- `--precision bf16`: FSDP's MixedPrecisionPolicy all_gathers the parameters in bf16 (half the bytes sent)
-  and computes every layer in bf16 (unlike lesson 13's autocast, layer norms too); the sharded weights, their
-  gradients and the optimizer stay fp32.  `--reduce-precision bf16` also reduce_scatters the gradients in
-  bf16 (half the bytes again, rounded sums).  gloo in torch 2.14.1 runs all_gather and reduce_scatter on bf16
-  tensors (older releases had no bf16 in gloo); fp16 is left out: it needs a gradient scaler whose overflow
-  check is agreed by all ranks (each rank sees only its own shard of the gradients).
+- `--precision bf16`: FSDP's MixedPrecisionPolicy all_gathers the parameters in bf16 (half the bytes sent),
+  computes every layer in bf16 (unlike lesson 13's autocast, layer norms too) and reduce_scatters the
+  gradients in bf16 (half the bytes again, sums rounded to bf16); the shards, their gradients and the
+  optimizer's state stay fp32.  gloo in torch 2.14.1 runs all_gather and reduce_scatter on bf16 tensors
+  (older releases had no bf16 in gloo): a bf16 run ends 4 steps 5e-4 (relative) from fp32's weights.  The
+  logits are cast to fp32 for the loss (a policy's output_dtype would cast every block's output, not only
+  the model's).  fp16 is left out: it needs a gradient scaler whose overflow check all ranks agree on, and
+  each rank sees only its own shard of the gradients.
 - SGD with momentum, as in lesson 13, so that the two lessons train the same thing: its state is one tensor
   per parameter; Adam's is two, which makes the replica 4 copies of the parameters instead of 3 (exercise 3).
 - `--memory-budget-mb`: the bytes per rank of parameters, gradients and optimizer state, computed from the
   model's shapes before any rank starts, under DDP and under FSDP2; the run stops if FSDP2 does not fit.
   The default model (width 128, depth 4) needs 6.2 MB per rank under DDP: over the default budget of 4 MB,
   a stand-in for one GPU's memory (x1000 for a real one), while FSDP2 over 2 ranks needs 3.1 MB.
---batch-size is per rank.  Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other
-torch.distributed line (sharding included).
+--batch-size is per rank.
+Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line (sharding too).
 """
 import sys
 import time
