@@ -563,3 +563,43 @@ def test_15_3_adamw_doubles_the_optimizer_state(tmp_path, dataset):
     assert "[rank 0] holds parameters 1.034 MB, gradients 1.034 MB, optimizer state 2.067 MB, total 4.135 MB" in out
     assert "DDP's full replica 8.238 MB: 0.502 of DDP's" in out
     assert "measured on the fullest rank: 4.13 MB, over it" in out
+
+
+# ------------------------------------------------------------------------------------------ lesson 17
+
+@solution("17_debugging_hangs", 1)
+@pytest.mark.slow
+def test_17_1_uneven_under_torchrun_names_the_barrier_and_the_bucket(tmp_path, dataset):
+    start = time.perf_counter()
+    proc = run_solution("17_debugging_hangs", 1, tmp_path, check=False, timeout=120)
+    assert proc.returncode != 0 and time.perf_counter() - start < 5 + 3 + 30, proc.stderr
+    assert re.search(r"rank 0 waited [\d.]+ s in barrier #(\d+) .*; rank 1 last entered all_reduce #\1 "
+                     r"\(shape \[101770\]", proc.stderr), proc.stderr
+
+
+@solution("17_debugging_hangs", 2)
+@pytest.mark.slow
+def test_17_2_sigusr1_prints_every_ranks_stack(tmp_path, dataset):
+    cmd, env = argv(commands("17_debugging_hangs", 2)[0], tmp_path)
+    run_dir = tmp_path / "solutions" / "17-stacks"
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=environ(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (run_dir / "checkpoint.pt").exists():  # written just before rank 0's barrier
+            assert time.monotonic() < deadline and proc.poll() is None, "the run never reached its checkpoint"
+            time.sleep(0.2)
+        time.sleep(2)  # both ranks now wait: rank 0 in the barrier, rank 1 in backward's all_reduce
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert err.count("(most recent call first)") >= 2, err
+    assert re.search(r'line \d+ in barrier', err) and re.search(r'line \d+ in backward', err), err
+
+
+@solution("17_debugging_hangs", 3)
+def test_17_3_detail_names_both_shapes(tmp_path):
+    out = run_solution("17_debugging_hangs", 3, tmp_path, check=False, timeout=60).stdout
+    assert "TensorShape=[4]" in out and "TensorShape=[5]" in out and out.count("Detected mismatch") == 2, out
