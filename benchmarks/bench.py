@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The course's benchmark: input pipeline, HDF5 streaming, gradient sync, training throughput, start-up.
 
-    python benchmarks/bench.py                              # all sections, 3-4 minutes on 2 CPU cores
+    python benchmarks/bench.py                              # all sections, 4-5 minutes on 2 CPU cores
     python benchmarks/bench.py --sections input,sync        # some of them
     python benchmarks/bench.py --large                      # full epochs, more sizes and repeats
     python benchmarks/bench.py --smoke                      # tiny sizes: checks the code runs (tests)
