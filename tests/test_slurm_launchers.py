@@ -345,6 +345,8 @@ RUNS = {
     "13_mixed_precision": SMALL + ["--precision", "fp16", "--max-steps", "6", "--overflow-at", "3"],
     # the default model (width 128) over 2 ranks: over the default 4 MB budget under DDP, within it sharded
     "15_fsdp2": SMALL + ["--max-steps", "6"],
+    # the healthy run, then the --bug skip repro the launcher runs after it (a 5 s collective timeout)
+    "17_debugging_hangs": SMALL + ["--max-steps", "6", "--save-every", "3", "--timeout", "5"],
     "create_mnist_h5": ["--chunk-samples", "500", "--output", "{work}/made-by-job.h5"],
 }
 JOB_TIMEOUT = 420
@@ -451,6 +453,13 @@ def check_15_fsdp2(log, work):
     assert "DDP's full replica needs 6.18 MB (does not fit); FSDP2 over 2 ranks needs 3.10 MB (fits)" in log
     ratio = float(re.search(r"MB: (0\.\d+) of DDP's \(1/2 = 0.500\)", log).group(1))
     assert ratio <= 0.55 and "global batch 128, fp32: test accuracy" in log
+
+
+def check_17_debugging_hangs(log, work):
+    assert "global batch 128; test accuracy" in log  # the healthy run
+    assert re.search(r"\[rank 0\] error: rank 0 waited [\d.]+ s in barrier #\d+ .*; rank 1 last entered "
+                     r"all_reduce #\d+ \(shape \[101770\]", log), log
+    assert "the --bug skip repro failed on its own, as it should" in log
 
 
 def check_create_mnist_h5(log, work):
