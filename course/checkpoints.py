@@ -6,7 +6,8 @@ the lesson; this module is the file plumbing around it:
   a crash while writing leaves the previous checkpoint, never half a new one), then keeps the newest `keep`;
 - newest_valid(): the newest checkpoint that loads (weights_only=True: a checkpoint is data, and
   weights_only refuses pickles that would run code) and is one of lesson 12's; torn ones are reported;
-- lock(): one run per checkpoint directory, so that two runs never mix their checkpoints.
+- lock(): one run per checkpoint directory, so that two runs never mix their checkpoints;
+- add_args() and check_dir(): the lesson's options, and their checks before any rank starts.
 """
 import fcntl
 import os
@@ -83,6 +84,25 @@ def lock(directory: Path):
     handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     handle.flush()
     return handle
+
+
+def add_args(p):
+    """Lesson 12's options: when and where checkpoints are written, how many are kept, starting over, and
+    its demo aids (the loss every N steps, a sleep after each step to send a signal by hand)."""
+    from course.cli import positive_int
+
+    p.add_argument("--checkpoint-every", type=positive_int, default=100, metavar="STEPS",
+                   help="write a checkpoint every this many steps (and always at a stop and at the end)")
+    p.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help="where the checkpoints go (default: RUN_DIR/checkpoints); a run resumes from the newest")
+    p.add_argument("--keep", type=positive_int, default=2, help="checkpoints kept (the newest ones)")
+    p.add_argument("--fresh", action="store_true",
+                   help="delete the checkpoints of earlier runs and start over (never in a requeued job script)")
+    p.add_argument("--log-every", type=positive_int, default=50, metavar="STEPS",
+                   help="rank 0 prints the loss every this many steps")
+    p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS",
+                   help="sleep after each step, to have time to send a signal by hand (a demo aid; 0: full speed)")
+    return p
 
 
 def check_dir(args) -> None:

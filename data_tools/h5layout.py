@@ -164,6 +164,21 @@ def write_h5(path, splits: dict, dataset: str, chunk_samples: int, compression: 
     return read_layout(path)
 
 
+def add_h5_args(p):
+    """Lesson 11's options: the chunked file, the DataLoader workers reading it, memory as the same chunks'
+    other source, and --save-order.  require_h5() checks them before any rank starts."""
+    p.add_argument("--h5-file", type=Path, default=None,
+                   help="the chunked file from data_tools/create_mnist_h5.py "
+                        "(default: <data dir>/<dataset>-chunk1000.h5)")
+    p.add_argument("--workers", type=int, default=1, choices=range(0, 17), metavar="N",
+                   help="DataLoader worker processes per rank reading chunks ahead (0: read in the rank itself)")
+    p.add_argument("--source", default="h5", choices=("h5", "memory"),
+                   help="memory: the same chunks in the same order from the in-memory dataset (for comparison)")
+    p.add_argument("--save-order", action="store_true",
+                   help="also write order.json: the sample indices each rank trained on, per epoch")
+    return p
+
+
 def require_h5(args) -> None:
     """Lesson 11, before any rank starts: the file exists and holds --dataset (else one line with the command
     that fixes it); with --source memory the in-memory dataset is prepared too.  Sets args.h5_file."""

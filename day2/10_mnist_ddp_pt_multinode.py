@@ -36,11 +36,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli
+from course import cli, results
 from course.evaluate import evaluate
 from course.launch import backend_for, launch, require_launcher, setup_device
 from course.models import build_model
-from course.output import plot_curves, rank_print, save_weights, write_json
+from course.output import rank_print
 from course.profiling import add_profile_args, maybe_profile
 from data_tools.datasets import InMemoryMNIST, batches, require
 
@@ -100,27 +100,13 @@ def worker(info, args):
     prof.close()
     rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch)")
 
-    losses = torch.stack(losses)
-    dist.all_reduce(losses)  # DIST: the loss of each global batch, averaged over ranks (one call at the end)
-    losses = (losses / world_size).tolist()
+    losses = results.mean_over_ranks(losses)  # DIST: the loss of each global batch, averaged over ranks
     if rank == 0:  # DIST: GLOBAL rank 0 alone writes the shared files (local rank 0 exists on every node)
-        global_batch = world_size * args.batch_size
-        samples = min(step * global_batch, args.epochs * world_size * len(sampler))
-        run = args.run_dir
-        write_json(run / "metrics.json", {
-            "lesson": "10_mnist_ddp_pt_multinode", "dataset": args.dataset, "model": args.model,
-            "world_size": world_size, "nodes": nodes, "launcher": info.launcher, "written_by": [rank, host],
-            "placement": [{"rank": r, "node": n, "host": h, "local_rank": lr}
-                          for r, (n, h, lr) in enumerate(placement)],
-            "backend": dist.get_backend(), "batch_size": args.batch_size,
-            "global_batch_size": global_batch, "lr": args.lr, "epochs": args.epochs, "steps": step,
-            "samples_seen": samples, "train_seconds": seconds, "samples_per_second": samples / seconds,
-            "test_accuracy": accuracy, "test_loss": test_loss, "loss_per_step": losses})
-        save_weights(run / "model.pt", model)
-        plot_curves(run / "loss.png", {f"{world_size} ranks": (range(1, step + 1), losses)}, "step",
-                    "training loss (mean over ranks)", f"{args.model}, global batch {global_batch}")
-        print(f"{world_size} ranks on {nodes} node(s) x batch {args.batch_size} = global batch {global_batch}; "
-              f"test accuracy {accuracy:.4f}; outputs in {run}", flush=True)
+        # metrics.json (with who ran where), model.pt, loss.png and the line that sums it up
+        results.write(args, model, losses, seconds, accuracy, test_loss, len(sampler),
+                      ranks=f"{world_size} ranks on {nodes} node(s)", nodes=nodes, launcher=info.launcher,
+                      written_by=[rank, host], placement=[{"rank": r, "node": n, "host": h, "local_rank": lr}
+                                                         for r, (n, h, lr) in enumerate(placement)])
     dist.destroy_process_group()
 
 

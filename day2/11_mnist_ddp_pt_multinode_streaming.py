@@ -47,14 +47,14 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Sampler
 
-from course import cli, coverage
+from course import cli, coverage, results
 from course.evaluate import evaluate
 from course.launch import backend_for, launch, require_launcher, setup_device
 from course.models import build_model
-from course.output import plot_curves, rank_print, save_weights, write_json
+from course.output import rank_print, write_json
 from course.profiling import add_profile_args, maybe_profile
 from data_tools.datasets import load_split
-from data_tools.h5layout import read_layout, require_h5
+from data_tools.h5layout import add_h5_args, read_layout, require_h5
 from data_tools.h5stream import H5Chunks, H5TestSet, MemoryChunks, chunk_seed, normalize
 
 LESSON = "day2/11_mnist_ddp_pt_multinode_streaming.py"
@@ -230,28 +230,20 @@ def worker(info, args):
     dist.all_gather_object(waits, round(wait, 3))  # DIST: how long each rank waited for data
     orders = counts.all_orders(world_size) if args.save_order else None
     if rank == 0:  # DIST: GLOBAL rank 0 alone writes the shared files (local rank 0 exists on every node)
-        epochs = counts.epochs
-        samples = sum(e["trained"] for e in epochs)
-        run = args.run_dir
-        write_json(run / "metrics.json", {
-            "lesson": "11_mnist_ddp_pt_multinode_streaming", "dataset": layout.dataset, "model": args.model,
-            "world_size": world_size, "nodes": nodes, "launcher": info.launcher, "written_by": [rank, host],
-            "placement": [{"rank": r, "node": n, "host": h, "local_rank": lr}
-                          for r, (n, h, lr) in enumerate(placement)],
-            "source": args.source, "h5_file": str(args.h5_file), "chunk_samples": layout.chunk_samples,
-            "workers": args.workers, "backend": dist.get_backend(), "batch_size": args.batch_size,
-            "lr": args.lr, "epochs": len(epochs), "steps": done, "samples_seen": samples,
-            "per_epoch": epochs, "replicas_identical": identical, "data_wait_seconds": waits,
-            "train_seconds": seconds, "samples_per_second": samples / seconds,
-            "test_accuracy": accuracy, "test_loss": test_loss, "loss_per_step": losses})
-        if args.save_order:  # the sample order each rank trained on, per epoch: order[epoch][rank]
-            write_json(run / "order.json", {"epochs": orders})
-        save_weights(run / "model.pt", model)
         source = f"streamed from {args.h5_file.name}" if args.source == "h5" else "the same chunks from memory"
-        plot_curves(run / "loss.png", {f"{world_size} ranks": (range(1, done + 1), losses)}, "step",
-                    "training loss (mean over ranks)", f"{args.model}, {source}")
-        print(f"{world_size} ranks on {nodes} node(s), {source} (chunks of {layout.chunk_samples}); "
-              f"replicas identical: {identical}; test accuracy {accuracy:.4f}; outputs in {run}", flush=True)
+        # metrics.json (with who ran where and each epoch's coverage), model.pt, loss.png
+        results.write(args, model, losses, seconds, accuracy, test_loss, 0, line=False,
+                      title=f"{args.model}, {source}", samples=sum(e["trained"] for e in counts.epochs),
+                      nodes=nodes, launcher=info.launcher,
+                      written_by=[rank, host], placement=[{"rank": r, "node": n, "host": h, "local_rank": lr}
+                                                         for r, (n, h, lr) in enumerate(placement)],
+                      dataset=layout.dataset, source=args.source, h5_file=str(args.h5_file),
+                      chunk_samples=layout.chunk_samples, workers=args.workers, epochs=len(counts.epochs),
+                      per_epoch=counts.epochs, replicas_identical=identical, data_wait_seconds=waits)
+        if args.save_order:  # the sample order each rank trained on, per epoch: order[epoch][rank]
+            write_json(args.run_dir / "order.json", {"epochs": orders})
+        print(f"{world_size} ranks on {nodes} node(s), {source} (chunks of {layout.chunk_samples}); replicas "
+              f"identical: {identical}; test accuracy {accuracy:.4f}; outputs in {args.run_dir}", flush=True)
     dist.destroy_process_group()
 
 
@@ -259,16 +251,7 @@ def build_parser():
     p = cli.add_distributed(cli.parser(__doc__, LESSON))
     p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0,
                    help="DDP's gradient bucket size in MB (the MLP's gradients are 0.4 MB: one bucket)")
-    p.add_argument("--h5-file", type=Path, default=None,
-                   help="the chunked file from data_tools/create_mnist_h5.py "
-                        "(default: <data dir>/<dataset>-chunk1000.h5)")
-    p.add_argument("--workers", type=int, default=1, choices=range(0, 17), metavar="N",
-                   help="DataLoader worker processes per rank reading chunks ahead (0: read in the rank itself)")
-    p.add_argument("--source", default="h5", choices=("h5", "memory"),
-                   help="memory: the same chunks in the same order from the in-memory dataset (for comparison)")
-    p.add_argument("--save-order", action="store_true",
-                   help="also write order.json: the sample indices each rank trained on, per epoch")
-    return add_profile_args(p)
+    return add_profile_args(add_h5_args(p))  # --h5-file, --workers, --source, --save-order; --profile
 
 
 if __name__ == "__main__":

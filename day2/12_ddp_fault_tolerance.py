@@ -81,11 +81,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from course import checkpoints, cli
+from course import checkpoints, cli, results
 from course.evaluate import evaluate
 from course.launch import backend_for, launch, setup_device
 from course.models import build_model
-from course.output import plot_curves, rank_print, save_weights, write_json
+from course.output import rank_print
 from data_tools.datasets import InMemoryMNIST, batches, require
 
 # A checkpoint belongs to one training run: resuming with other values of these would be another run.
@@ -226,22 +226,15 @@ def worker(info, args):
 
     if rank == 0:  # DIST: global rank 0 alone writes the shared files
         last = state["evaluations"][-1] if state["evaluations"] else {"test_accuracy": None, "test_loss": None}
-        steps, global_batch, seconds = state["step"], world_size * args.batch_size, state["train_seconds"]
-        out = args.run_dir
-        write_json(out / "metrics.json", {
-            "lesson": "12_ddp_fault_tolerance", "dataset": args.dataset, "model": args.model,
-            "world_size": world_size, "launcher": info.launcher, "backend": dist.get_backend(),
-            "batch_size": args.batch_size, "global_batch_size": global_batch, "lr": args.lr,
-            "epochs": args.epochs, "steps": steps, "train_seconds": seconds,
-            "test_accuracy": last["test_accuracy"], "test_loss": last["test_loss"],
-            "evaluations": state["evaluations"], "stops": state["stops"], "resumed_at": state["resumed_at"],
-            "restarts": restarts, "checkpoint": str(path), "loss_per_step": state["loss_per_step"]})
-        save_weights(out / "model.pt", model)
-        plot_curves(out / "loss.png", {f"{world_size} ranks": (range(1, steps + 1), state["loss_per_step"])},
-                    "step", "training loss (mean over ranks)",
-                    f"{args.model}, global batch {global_batch}, resumed at steps {state['resumed_at'] or 'none'}")
-        print(f"{steps} steps, {len(state['stops'])} stop(s), resumed at steps {state['resumed_at'] or 'none'}; "
-              f"test accuracy {last['test_accuracy']:.4f}; outputs in {out}", flush=True)
+        resumed = state["resumed_at"] or "none"
+        # metrics.json (with the stops, resumptions and restarts), model.pt, loss.png
+        results.write(args, model, state["loss_per_step"], state["train_seconds"], last["test_accuracy"],
+                      last["test_loss"], len(sampler), line=False, launcher=info.launcher,
+                      title=f"{args.model}, global batch {world_size * args.batch_size}, resumed at steps {resumed}",
+                      evaluations=state["evaluations"], stops=state["stops"], resumed_at=state["resumed_at"],
+                      restarts=restarts, checkpoint=str(path))
+        print(f"{state['step']} steps, {len(state['stops'])} stop(s), resumed at steps {resumed}; "
+              f"test accuracy {last['test_accuracy']:.4f}; outputs in {args.run_dir}", flush=True)
     dist.destroy_process_group()
     if lock is not None:
         lock.close()
@@ -249,18 +242,7 @@ def worker(info, args):
 
 def build_parser():
     p = cli.add_distributed(cli.parser(__doc__, "day2/12_ddp_fault_tolerance.py", nproc_default=2))
-    p.add_argument("--checkpoint-every", type=cli.positive_int, default=100, metavar="STEPS",
-                   help="write a checkpoint every this many steps (and always at a stop and at the end)")
-    p.add_argument("--checkpoint-dir", type=Path, default=None,
-                   help="where the checkpoints go (default: RUN_DIR/checkpoints); a run resumes from the newest")
-    p.add_argument("--keep", type=cli.positive_int, default=2, help="checkpoints kept (the newest ones)")
-    p.add_argument("--fresh", action="store_true",
-                   help="delete the checkpoints of earlier runs and start over (never in a requeued job script)")
-    p.add_argument("--log-every", type=cli.positive_int, default=50, metavar="STEPS",
-                   help="rank 0 prints the loss every this many steps")
-    p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS",
-                   help="sleep after each step, to have time to send a signal by hand (a demo aid; 0: full speed)")
-    return p
+    return checkpoints.add_args(p)  # --checkpoint-every, --checkpoint-dir, --keep, --fresh, --log-every, ...
 
 
 if __name__ == "__main__":
