@@ -1,0 +1,151 @@
+# %% [markdown]
+# # Lesson 17: debugging a hung or mismatched job
+#
+# Script: [`day3/17_debugging_hangs.py`](../day3/17_debugging_hangs.py).
+#
+# A distributed job that hangs is the most common thing learners ask about. Every collective pairs the n-th
+# call of every rank: if one rank calls something else, or one call fewer, or a tensor of another size, the
+# ranks wait for each other, or crash. This lesson takes lesson 6's DDP loop and breaks it in the three ways
+# learners meet most (`--bug`), then shows what each tool tells:
+#
+# - **skip**: rank 0 writes a checkpoint and waits in a barrier that the other ranks skip (the barrier is
+#   indented under `if rank == 0`);
+# - **uneven**: the last rank's shard holds one batch more (a data set split by hand, without
+#   DistributedSampler's padding);
+# - **shape**: the last rank all_reduces one number more than the others.
+#
+# The tools: the collective **timeout** (`init_process_group(timeout=...)`, `--timeout` here), a line per rank
+# naming the collective it waited in and the other ranks' last one (course/debugging.py, from the
+# **flight recorder**), torch's flight recorder **analyzer**, `TORCH_DISTRIBUTED_DEBUG=DETAIL`, and a **stack
+# dump** of every rank (`py-spy dump`, or faulthandler on SIGUSR1).
+
+# %%
+from nbhelpers import *
+
+import re
+import subprocess
+import sys
+import time
+
+# The one switch. False: 320 samples, a 5 s timeout, 2 CPU processes. True: --quick, the lesson's 10 s timeout.
+FULL_SIZE = False
+SIZE = ["--quick"] if FULL_SIZE else ["--train-samples", "320", "--batch-size", "16", "--epochs", "1",
+                                      "--loader", "memory", "--timeout", "5"]
+SIZE += ["--save-every", "3", "--device", "cpu"]
+TIMEOUT = 10 if FULL_SIZE else 5  # seconds a rank waits in a collective before it gives up
+RUN = run_dir("17_debugging_hangs")
+
+
+def repro(bug):
+    """Run the lesson with one --bug on 2 ranks.  It must fail: return its exit code, seconds, error lines."""
+    start = time.perf_counter()
+    try:
+        run_lesson("day3/17_debugging_hangs.py", "--nproc", "2", *SIZE, "--bug", bug, "--run-dir", RUN / bug)
+    except subprocess.CalledProcessError as failed:  # what we came for: the run fails, and says where
+        seconds = time.perf_counter() - start
+        lines = [line for line in failed.output.splitlines() if "error:" in line]
+        return failed.returncode, seconds, lines
+    raise AssertionError(f"--bug {bug} ran to the end: it should have failed")
+
+
+# %% [markdown]
+# ## What changed against lesson 6
+#
+# The three bugs, inline and switched by `--bug`; a barrier after each checkpoint and after the epoch; the
+# loss all_reduced each step for the log; `debugging.install` (flight recorder, faulthandler) before the
+# process group, and the short timeout.
+
+# %%
+show_diff("day1/6_mnist_ddp_pt.py", "day3/17_debugging_hangs.py")
+
+# %% [markdown]
+# ## The healthy run
+
+# %%
+run_lesson("day3/17_debugging_hangs.py", "--nproc", "2", *SIZE, "--bug", "none", "--run-dir", RUN / "none");
+
+# %% [markdown]
+# ## A rank that skips a collective
+#
+# Rank 0 waits in the checkpoint's barrier; rank 1 has gone on into the next step, where DDP's backward
+# all_reduces the gradient bucket. gloo pairs the two and neither completes: both ranks wait until the
+# timeout.
+
+# %%
+code, seconds, lines = repro("skip")
+zero = next(l for l in lines if l.startswith("[rank 0]"))
+barrier = re.search(r"barrier #(\d+)", zero).group(1)
+bucket = re.search(r"all_reduce #\d+ \(shape \[(\d+)\]", zero).group(1)
+md(f"The job ended with exit code {code} after {seconds:.1f} s, {TIMEOUT} s of them the timeout. Rank 0 says it "
+   f"waited in **barrier #{barrier}**, and that rank 1 had last entered **all_reduce #{barrier}** of "
+   f"{int(bucket):,} numbers: the MLP's gradients, DDP's one bucket. The same sequence number on both sides "
+   f"is the clue: the ranks disagree on what their {barrier}th collective is.")
+
+# %% [markdown]
+# ## What each rank's flight recorder holds
+#
+# The last collectives of each rank, by sequence number, read from the dumps the ranks wrote: up to the
+# mismatch the two rows agree; at the last number rank 0 has a barrier and rank 1 an all_reduce.
+
+# %%
+import pickle
+
+COLORS = {"all_reduce": "tab:blue", "barrier": "tab:red", "broadcast": "tab:green", "allgather": "tab:purple"}
+fig, ax = plt.subplots(figsize=(9, 2.4))
+for rank in (0, 1):
+    dump = pickle.loads((REPO / RUN / "skip" / "flight_recorder" / f"rank_{rank}").read_bytes())
+    for entry in dump["entries"][-8:]:
+        op = entry["profiling_name"].split(":")[-1]
+        seq = entry["collective_seq_id"]
+        ax.scatter(seq, rank, marker="s", s=900, color=COLORS.get(op, "tab:gray"), alpha=0.5)
+        sizes = entry["input_sizes"]
+        ax.annotate(op + (f"\n{sizes[0][0]:,}" if sizes and sizes[0] else ""), (seq, rank), ha="center",
+                    va="center", fontsize=7)
+ax.set(yticks=[0, 1], yticklabels=["rank 0", "rank 1"], ylim=(-0.6, 1.6), xlabel="collective sequence number",
+       title="--bug skip: the last collectives of each rank (flight recorder)")
+plt.show()
+
+# %% [markdown]
+# ## The flight recorder's analyzer
+#
+# Each failed rank wrote its flight recorder (its last collectives, with the Python stack that issued each)
+# to `flight_recorder/rank_R` in its run directory. torch's analyzer compares the ranks' records:
+
+# %%
+done = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
+                       str(RUN / "skip" / "flight_recorder"), "-p", "rank_"], cwd=REPO, capture_output=True,
+                      text=True, check=True)
+report = done.stdout + done.stderr  # the analyzer logs its report
+culprit = next(l for l in report.splitlines() if "Culprit" in l)
+print("\n".join(report.splitlines()[:10]))
+md(f"The analyzer: *{culprit.strip().removeprefix('error msg: ')}*: rank 0's record is the reference, and "
+   f"rank 1 is the one whose collective of that sequence number differs.")
+
+# %% [markdown]
+# ## Tensors of different sizes
+#
+# Rank 1 all_reduces 3 numbers, rank 0 two. With these sizes gloo completes rank 0's all_reduce (with wrong
+# numbers) and rank 0 goes on; rank 1 waits for the rest. With other sizes gloo aborts the rank that
+# receives more bytes than it expects.
+
+# %%
+code, seconds, lines = repro("shape")
+said = " ".join(lines)
+one = re.search(r"rank 1 (?:waited [\d.]+ s in|last entered) (all_reduce #\d+) \(shape \[(\d+)\]", said)
+zero = re.search(r"rank 0 (?:waited [\d.]+ s in|last entered) (\w+ #\d+)", said)
+md(f"Exit code {code} after {seconds:.1f} s. Rank 1's last collective: **{one.group(1)}** of "
+   f"**{one.group(2)}** numbers, one more than the 2 of every other rank. Rank 0 had already gone on to "
+   f"**{zero.group(1)}**, a collective of the next step (DDP issues it in the forward pass): the two ranks' "
+   f"sequence numbers no longer agree, which is how a size mismatch shows when gloo does not abort.")
+
+# %% [markdown]
+# ## Try it yourself
+#
+# 1. Run `--bug uneven` under torchrun (`torchrun --nproc_per_node=2 day3/17_debugging_hangs.py --quick
+#    --timeout 5 --bug uneven`): which collective does each rank name, and why is rank 0's a barrier?
+# 2. Start `--bug skip --timeout 30` and, while it waits, send SIGUSR1 to the launcher (`kill -USR1 PID`, the
+#    PID of the `python` you started): every rank prints its Python stack; then try `py-spy dump --pid` on a
+#    rank's PID.
+# 3. Run the fingerprint check on plain collectives: `TORCH_DISTRIBUTED_DEBUG=DETAIL` with two ranks that
+#    all_reduce tensors of 4 and 5 numbers (the script in the solution). What does the error say, and how
+#    long did it take?
