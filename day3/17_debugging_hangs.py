@@ -32,7 +32,7 @@ What each tool tells (all checked with torch 2.14.1, gloo):
   collective: ...TensorShape=[4]..., but Rank 1 is running collective: ...TensorShape=[5]..."; when the two
   differ in type the other side is shown garbled, as an internal REDUCE or GATHER).  In torch 2.14.1 on the
   CPU, DistributedDataParallel's constructor crashes under DETAIL (SIGSEGV, even for one Linear layer; INFO
-  works), so this lesson cannot run under it: try it on plain collectives (exercise 3).  It costs an extra
+  works), so this lesson cannot run under it: try it on plain collectives (the notebook's exercise 3).  It costs an extra
   collective per collective: for debugging only.
 - the flight recorder (TORCH_FR_BUFFER_SIZE, set to 2000 here): the last collectives of each rank with the
   Python stack that issued them.  gloo's are recorded (state "scheduled" only), but the automatic dump on a
@@ -47,7 +47,10 @@ What each tool tells (all checked with torch 2.14.1, gloo):
   on to every rank; under torchrun, each rank's PID).  Under Slurm: `scancel --signal=USR1 JOBID` reaches
   every rank of the job's steps, or `srun --overlap --jobid JOBID -w NODE py-spy dump --pid PID` runs py-spy
   beside a running step.  A rank killed by gloo's abort prints its stack too (faulthandler).
-Every repro ends within --timeout plus a few seconds with a non-zero exit.
+Every repro ends with a non-zero exit within --timeout, plus up to 3 s while a failed rank waits for the
+others' last collectives, plus the time to start and train up to the bug: 15-20 s in all with --timeout 3 on
+a 2-core machine shared with other jobs.  slurm/17_debugging_hangs.sh runs the healthy lesson, then --bug skip, and
+succeeds only if the repro fails that way.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import sys
