@@ -44,11 +44,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli, curves
+from course import cli, curves, results
 from course.evaluate import evaluate
 from course.launch import backend_for, detect_launcher, launch, setup_device
 from course.models import build_model
-from course.output import rank_print, save_weights, write_json
+from course.output import rank_print
 from course.profiling import add_profile_args, maybe_profile
 from data_tools.datasets import InMemoryMNIST, batches, require
 
@@ -112,26 +112,18 @@ def worker(info, args):
     prof.close()
     rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch)")
 
-    losses = torch.stack(losses)
-    dist.all_reduce(losses)  # DIST: the loss of each global batch, averaged over ranks (one call at the end)
-    losses = (losses / world_size).tolist()
+    losses = results.mean_over_ranks(losses)  # DIST: the loss of each global batch, averaged over ranks
     if rank == 0:  # DIST: one process writes the outputs
-        global_batch = world_size * args.batch_size
-        run = args.run_dir
         curve = list(zip(seen, losses))
         comparison = curves.compare(curve, world_size, lr, args)  # this curve against 1 process's, at equal seen
-        write_json(run / "metrics.json", {
-            "lesson": "8_mnist_ddp_pt_lr", "dataset": args.dataset, "model": args.model,
-            "world_size": world_size, "backend": dist.get_backend(), "batch_size": args.batch_size,
-            "global_batch_size": global_batch, "base_lr": args.lr, "lr": lr, "scaled": not args.no_scale,
-            "warmup_steps": args.warmup_steps, "epochs": args.epochs, "steps": step, "samples_seen": seen[-1],
-            "train_seconds": seconds, "samples_per_second": seen[-1] / seconds, "test_accuracy": accuracy,
-            "test_loss": test_loss, "loss_per_step": losses, "samples_seen_per_step": seen, "lr_per_step": lrs,
-            "reference": str(curves.reference_path(args)) if comparison else None, "deviation": comparison})
-        save_weights(run / "model.pt", model)
-        curves.plot(run / "loss.png", curve, world_size, lr, comparison is not None and world_size > 1, args)
-        print(f"{world_size} ranks x batch {args.batch_size} = global batch {global_batch}, lr {lr:g}; test "
-              f"accuracy {accuracy:.4f}; outputs in {run}", flush=True)
+        # metrics.json and model.pt; loss.png is this curve against 1 process's
+        results.write(args, model, losses, seconds, accuracy, test_loss, len(sampler), samples=seen[-1],
+                      line=False, plot=False, lr=lr, base_lr=args.lr, scaled=not args.no_scale,
+                      warmup_steps=args.warmup_steps, samples_seen_per_step=seen, lr_per_step=lrs,
+                      reference=str(curves.reference_path(args)) if comparison else None, deviation=comparison)
+        curves.plot(args.run_dir / "loss.png", curve, world_size, lr, comparison is not None and world_size > 1, args)
+        print(f"{world_size} ranks x batch {args.batch_size} = global batch {world_size * args.batch_size}, "
+              f"lr {lr:g}; test accuracy {accuracy:.4f}; outputs in {args.run_dir}", flush=True)
     dist.destroy_process_group()
 
 
