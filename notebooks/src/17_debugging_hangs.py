@@ -142,10 +142,12 @@ md(f"Exit code {code} after {seconds:.1f} s. Rank 1's last collective: **{one.gr
 # ## Try it yourself
 #
 # 1. Run `--bug uneven` under torchrun (`torchrun --nproc_per_node=2 day3/17_debugging_hangs.py --quick
-#    --timeout 5 --bug uneven`): which collective does each rank name, and why is rank 0's a barrier?
+#    --timeout 5 --bug uneven`). Expect a non-zero exit a few seconds after the timeout, rank 0 in a
+#    `barrier` and rank 1 in an `all_reduce` of 101,770 numbers with the same sequence number: why is rank 0's
+#    a barrier?
 # 2. Start `--bug skip --timeout 30` and, while it waits, send SIGUSR1 to the launcher (`kill -USR1 PID`, the
-#    PID of the `python` you started): every rank prints its Python stack; then try `py-spy dump --pid` on a
-#    rank's PID.
-# 3. Run the fingerprint check on plain collectives: `TORCH_DISTRIBUTED_DEBUG=DETAIL` with two ranks that
-#    all_reduce tensors of 4 and 5 numbers (the script in the solution). What does the error say, and how
-#    long did it take?
+#    PID of the `python` you started). Expect every rank's Python stack: rank 0's ends in `barrier`, rank 1's
+#    in `backward`. Then try `py-spy dump --pid` on one rank's PID.
+# 3. Run the fingerprint check on plain collectives: `TORCH_DISTRIBUTED_DEBUG=DETAIL python
+#    solutions/17_detail.py` (two ranks all_reduce 4 and 5 numbers). Expect both ranks to fail within a
+#    fraction of a second, each naming `TensorShape=[4]` and `TensorShape=[5]`.
