@@ -592,11 +592,21 @@ def test_17_2_sigusr1_prints_every_ranks_stack(tmp_path, dataset):
         time.sleep(2)  # both ranks now wait: rank 0 in the barrier, rank 1 in backward's all_reduce
         proc.send_signal(signal.SIGUSR1)
         time.sleep(2)
+        # py-spy on every process under the launcher (the fork server and the two ranks)
+        import psutil
+
+        spy = REPO / ".venv" / "bin" / "py-spy" if (REPO / ".venv" / "bin" / "py-spy").exists() else "py-spy"
+        dumps = [subprocess.run([str(spy), "dump", "--pid", str(child.pid)], capture_output=True, text=True,
+                                timeout=60) for child in psutil.Process(proc.pid).children(recursive=True)]
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=60)
     assert err.count("(most recent call first)") >= 2, err
     assert re.search(r'line \d+ in barrier', err) and re.search(r'line \d+ in backward', err), err
+    spied = "".join(d.stdout + d.stderr for d in dumps)
+    if "Permission denied" in spied or "ptrace" in spied.lower():
+        pytest.skip(f"py-spy cannot attach here (no ptrace rights): {spied.strip()[:200]}")
+    assert re.search(r"barrier \(.*distributed_c10d.py:\d+\)", spied) and "backward" in spied, spied
 
 
 @solution("17_debugging_hangs", 3)
