@@ -10,7 +10,6 @@ training up to the bug.  Measured 2026-11-24 on a 2-core machine shared with oth
 collective nor the other rank, and the three message tests below fail (skip, uneven, shape; run 2026-11-24).
 """
 import re
-import subprocess
 import time
 
 import pytest
