@@ -4,12 +4,13 @@ Every repro must end on its own, with a non-zero exit, and say which rank waited
 the other rank had entered last.  Bound on the wall time of a repro: --timeout (3 s) + the wait for the other
 ranks' answers (course/debugging.py PEER_WAIT_S, 3 s) + START_S for starting Python, torch and the ranks and
 training up to the bug.  Measured 2026-11-24 on a 2-core machine shared with other jobs: the healthy run
-8.2-14.6 s, skip 10.9-18.8 s, uneven (torchrun) 13.9-19.8 s, shape 12.0-15.3 s; srun over two nodes (skip)
-11.8-20.1 s.  Checked by hand: with named_failures' CourseError in course/debugging.py replaced by a bare
+8.2-14.6 s, skip 10.9-18.8 s, uneven (torchrun) 13.9-19.8 s, shape 12.0-15.3 s; a two-node batch job (skip, --timeout
+10, signalled and py-spied while it waits) 18.4 s from submission.  Checked by hand: with named_failures' CourseError in course/debugging.py replaced by a bare
 `raise`, the ranks end with gloo's "Timed out waiting 3000ms for recv operation", which names neither the
 collective nor the other rank, and the three message tests below fail (skip, uneven, shape; run 2026-11-24).
 """
 import re
+import subprocess
 import time
 
 import pytest
@@ -19,6 +20,7 @@ from conftest import PYTHON, REPO, lesson, run
 pytestmark = pytest.mark.slow
 SCRIPT = "day3/17_debugging_hangs.py"
 TIMEOUT_S, PEER_WAIT_S, START_S = 3, 3, 30
+SLURM_TIMEOUT_S = 10  # long enough to send the job a signal and run py-spy beside it while it waits
 BOUND_S = TIMEOUT_S + PEER_WAIT_S + START_S
 COMMON = ["--train-samples", "320", "--batch-size", "16", "--epochs", "1", "--save-every", "3",
           "--timeout", str(TIMEOUT_S), "--loader", "memory"]
@@ -105,17 +107,43 @@ def test_a_bug_with_one_rank_is_one_line(dataset):
 
 
 @pytest.mark.slurm
-def test_srun_across_two_nodes_names_the_rank_and_the_collective(slurm_cluster):
-    """--bug skip over 2 nodes x 1 rank; srun --kill-on-bad-exit ends the job; the same message as one node."""
-    run_dir = slurm_cluster.workdir / "lesson17"
-    start = time.perf_counter()
-    ran = slurm_cluster.run(["srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", PYTHON, "-u",
-                             str(REPO / SCRIPT), *COMMON, "--bug", "skip", "--run-dir", str(run_dir)],
-                            timeout=120)
-    seconds = time.perf_counter() - start
-    print(f"lesson 17 --bug skip under srun, 2 nodes: exit {ran.returncode} after {seconds:.1f} s")
-    assert ran.returncode != 0 and seconds <= BOUND_S, (ran.returncode, seconds, ran.stdout + ran.stderr)
-    zero = rank_lines(ran)[0]
+def test_a_slurm_job_shows_its_stacks_and_names_the_collective(slurm_cluster):
+    """--bug skip over 2 nodes x 1 rank in a batch job, as docs/learners/debugging-hangs.md says to debug it:
+    while it waits, `scancel --signal=USR1` prints both ranks' stacks in the job log and `srun --overlap`
+    runs py-spy beside the step; then the collective timeout (SLURM_TIMEOUT_S) ends it, srun --kill-on-bad-exit
+    ends the job, and rank 0's line names both collectives.  Measured: 2 stacks, the job over in ~25 s."""
+    import psutil
+
+    work = slurm_cluster.workdir
+    run_dir, log = work / "lesson17-job", work / "lesson17-job.log"
+    args = [*COMMON, "--timeout", str(SLURM_TIMEOUT_S), "--bug", "skip", "--run-dir", str(run_dir)]
+    command = f"srun --kill-on-bad-exit=1 {PYTHON} -u {REPO / SCRIPT} " + " ".join(args)
+    submitted = slurm_cluster.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "-o", str(log),
+                                   "--wrap", command], timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    start = time.monotonic()
+    while not (run_dir / "checkpoint.pt").exists():  # written just before rank 0's barrier
+        assert time.monotonic() - start < 90, log.read_text() if log.exists() else "the job did not start"
+        time.sleep(0.2)
+    time.sleep(2)  # both ranks now wait
+    assert slurm_cluster.run(["scancel", "--signal=USR1", job]).returncode == 0
+    # the nodes share this machine's process table: rank 0's PID, and py-spy on node1 beside the step
+    rank0 = next(p.pid for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])
+                 and "srun" not in (p.info["cmdline"] or [""])[0] and p.environ().get("SLURM_PROCID") == "0")
+    spy = slurm_cluster.run(["srun", "--overlap", "--jobid", job, "--ntasks=1", "-w", "node1",
+                             str(REPO / ".venv" / "bin" / "py-spy"), "dump", "--pid", str(rank0)], timeout=60)
+    while slurm_cluster.job_info(int(job)).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+        assert time.monotonic() - start < 90 + SLURM_TIMEOUT_S + PEER_WAIT_S + START_S, "the job did not end"
+        time.sleep(0.3)
+    seconds = time.monotonic() - start
+    info, text = slurm_cluster.job_info(int(job)), log.read_text()
+    print(f"lesson 17 --bug skip in a 2-node batch job: {info.get('JobState')} {info.get('ExitCode')} "
+          f"{seconds:.1f} s after submission; {text.count('(most recent call first)')} stacks in its log")
+    assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", info
+    assert text.count("(most recent call first)") >= 2, text  # scancel --signal=USR1 reached both ranks
+    assert spy.returncode == 0 and "barrier" in spy.stdout, spy.stdout + spy.stderr
+    zero = rank_lines(subprocess.CompletedProcess([], 1, "", text))[0]
     assert re.search(r"rank 0 waited [\d.]+ s in barrier #\d+ .* rank 1 last entered all_reduce #\d+ "
                      r"\(shape \[101770\]", zero), zero
 
