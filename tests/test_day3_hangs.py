@@ -4,10 +4,11 @@ Every repro must end on its own, with a non-zero exit, and say which rank waited
 the other rank had entered last.  Bound on the wall time of a repro: --timeout (3 s) + the wait for the other
 ranks' answers (course/debugging.py PEER_WAIT_S, 3 s) + START_S for starting Python, torch and the ranks and
 training up to the bug.  Measured 2026-11-24 on a 2-core machine shared with other jobs: the healthy run
-8.2-14.6 s, skip 10.9-18.8 s, uneven (torchrun) 13.9-19.8 s, shape 12.0-15.3 s; a two-node batch job (skip, --timeout
-10, signalled and py-spied while it waits) 18.4 s from submission.  Checked by hand: with named_failures' CourseError in course/debugging.py replaced by a bare
-`raise`, the ranks end with gloo's "Timed out waiting 3000ms for recv operation", which names neither the
-collective nor the other rank, and the three message tests below fail (skip, uneven, shape; run 2026-11-24).
+8.2-14.6 s, skip 10.9-18.8 s, uneven (torchrun) 13.9-19.8 s, shape 12.0-15.3 s; a two-node batch job (skip,
+--timeout 10, signalled and py-spied while it waits) 18.4 s from submission.  Checked by hand: with
+named_failures' CourseError in course/debugging.py replaced by a bare `raise`, the ranks end with gloo's
+"Timed out waiting 3000ms for recv operation", which names neither the collective nor the other rank, and the
+three message tests below fail (skip, uneven, shape; run 2026-11-24).
 """
 import re
 import subprocess
