@@ -32,8 +32,8 @@ What each tool tells (all checked with torch 2.14.1, gloo):
   collective: ...TensorShape=[4]..., but Rank 1 is running collective: ...TensorShape=[5]..."; when the two
   differ in type the other side is shown garbled, as an internal REDUCE or GATHER).  In torch 2.14.1 on the
   CPU, DistributedDataParallel's constructor crashes under DETAIL (SIGSEGV, even for one Linear layer; INFO
-  works), so this lesson cannot run under it: try it on plain collectives (the notebook's exercise 3).  It costs an extra
-  collective per collective: for debugging only.
+  works), so this lesson cannot run under it: try it on plain collectives (the notebook's exercise 3).  It
+  costs an extra collective per collective: for debugging only.
 - the flight recorder (TORCH_FR_BUFFER_SIZE, set to 2000 here): the last collectives of each rank with the
   Python stack that issued them.  gloo's are recorded (state "scheduled" only), but the automatic dump on a
   timeout (TORCH_NCCL_DUMP_ON_TIMEOUT, TORCH_FR_DUMP_TEMP_FILE) is NCCL's watchdog's only; here each failed
