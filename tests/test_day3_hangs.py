@@ -108,7 +108,7 @@ def test_a_bug_with_one_rank_is_one_line(dataset):
 
 
 @pytest.mark.slurm
-def test_a_slurm_job_shows_its_stacks_and_names_the_collective(slurm_cluster):
+def test_a_slurm_job_shows_its_stacks_and_names_the_collective(slurm_cluster, dataset):
     """--bug skip over 2 nodes x 1 rank in a batch job, as docs/learners/debugging-hangs.md says to debug it:
     while it waits, `scancel --signal=USR1` prints both ranks' stacks in the job log and `srun --overlap`
     runs py-spy beside the step; then the collective timeout (SLURM_TIMEOUT_S) ends it, srun --kill-on-bad-exit
