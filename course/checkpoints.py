@@ -6,6 +6,7 @@ the lesson; this module is the file plumbing around it:
   a crash while writing leaves the previous checkpoint, never half a new one), then keeps the newest `keep`;
 - newest_valid(): the newest checkpoint that loads (weights_only=True: a checkpoint is data, and
   weights_only refuses pickles that would run code) and is one of lesson 12's; torn ones are reported;
+- check_same_run(): a checkpoint of other settings is refused, naming what differs;
 - lock(): one run per checkpoint directory, so that two runs never mix their checkpoints;
 - add_args() and check_dir(): the lesson's options, and their checks before any rank starts.
 """
@@ -47,12 +48,16 @@ def save(directory: Path, step: int, state: dict, keep: int) -> Path:
     return final
 
 
-def newest_valid(directory: Path, rank: int = 0):
-    """Rank 0: the newest checkpoint that loads and is complete, or None.  Damaged ones are skipped."""
+def newest_valid(directory: Path, rank: int = 0, fresh: bool = False):
+    """Rank 0: the newest checkpoint that loads and is complete, or None.  Damaged ones are skipped.
+    `fresh` (--fresh): delete every checkpoint first, and start over."""
     import torch
 
     from course.output import rank_print
 
+    if fresh:
+        for old in files(directory):
+            old.unlink()
     for path in files(directory):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -63,6 +68,16 @@ def newest_valid(directory: Path, rank: int = 0):
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             rank_print(rank, f"skipping checkpoint {path} (torn or invalid: {reason[:120]})")
     return None
+
+
+def check_same_run(saved: dict, run: dict, directory: Path) -> None:
+    """A checkpoint of another run (other settings) is refused, in one line naming what differs."""
+    if saved["run"] != run:
+        from course.cli import CourseError
+
+        differ = ", ".join(f"{k} {saved['run'].get(k)} -> {v}" for k, v in run.items() if saved["run"].get(k) != v)
+        raise CourseError(f"the checkpoints in {directory} are of another run ({differ}); resume with "
+                          f"the same settings, or start over with --fresh or another --run-dir")
 
 
 def lock(directory: Path):

@@ -1,5 +1,9 @@
-"""Lesson 3's bookkeeping: what each rank trained, as fingerprints, and rank 0's report comparing them."""
+"""Lesson 3's bookkeeping: what each rank trained, as fingerprints, and rank 0's report comparing them; and
+lesson 11's check that the replicas are still identical."""
 import hashlib
+
+import torch
+import torch.distributed as dist
 
 from course.output import save_weights, write_json
 
@@ -37,3 +41,12 @@ def report(everyone: list, args, steps: int, accuracy: float, model) -> None:
         "test_accuracy": accuracy, "identical_weights": same_weights, "identical_data_order": same_order,
         "ranks": everyone})
     save_weights(args.run_dir / "model.pt", model)
+
+
+def identical_on_all_ranks(tensors) -> bool:
+    """Every rank calls it: whether these tensors are equal, bit for bit, on every rank (one all_gather of
+    them all, flattened into one tensor)."""
+    mine = torch.cat([t.detach().reshape(-1) for t in tensors])
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return all(torch.equal(everyone[0], t) for t in everyone)

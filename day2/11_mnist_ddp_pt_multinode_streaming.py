@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Sampler
 
-from course import cli, coverage, results
+from course import cli, coverage, replicas, results
 from course.evaluate import evaluate
 from course.launch import backend_for, launch, require_launcher, setup_device
 from course.models import build_model
@@ -217,11 +217,8 @@ def worker(info, args):
     rank_print(rank, f"{done} steps ({own} on its own batches) in {seconds:.1f} s, {wait:.1f} s waiting for data")
 
     # every replica must hold the same weights AND the same momentum (the join() caveat above)
-    state = torch.cat([t.detach().reshape(-1) for p in model.parameters()
-                       for t in (p, optimizer.state[p]["momentum_buffer"])])
-    states = [torch.empty_like(state) for _ in range(world_size)]
-    dist.all_gather(states, state)  # DIST: every rank's weights and momentum, to compare
-    identical = all(torch.equal(states[0], s) for s in states)
+    identical = replicas.identical_on_all_ranks(  # DIST: an all_gather of every rank's weights and momentum
+        t for p in model.parameters() for t in (p, optimizer.state[p]["momentum_buffer"]))
     losses = torch.cat(losses)
     per_rank = [torch.empty_like(losses) for _ in range(world_size)]
     dist.all_gather(per_rank, losses)  # DIST: the loss of each step, averaged over the ranks that had a batch

@@ -120,17 +120,12 @@ def worker(info, args):
     # DIST: rank 0 picks the checkpoint and tells the others: every rank must resume from the same one
     chosen = [None]
     if rank == 0:
-        if args.fresh:
-            for old in checkpoints.files(directory):
-                old.unlink()
-        chosen = [checkpoints.newest_valid(directory)]  # a torn or foreign file is reported and skipped
+        # --fresh deletes them all first; a torn or foreign file is reported and skipped
+        chosen = [checkpoints.newest_valid(directory, fresh=args.fresh)]
     dist.broadcast_object_list(chosen, src=0)  # DIST: every rank learns rank 0's choice
     if chosen[0] is not None:
         saved = torch.load(chosen[0], map_location=device, weights_only=True)  # DIST: onto this rank's device
-        if saved["run"] != run:
-            differ = ", ".join(f"{k} {saved['run'].get(k)} -> {v}" for k, v in run.items() if saved["run"].get(k) != v)
-            raise cli.CourseError(f"the checkpoints in {directory} are of another run ({differ}); resume with "
-                                  f"the same settings, or start over with --fresh or another --run-dir")
+        checkpoints.check_same_run(saved, run, directory)  # the same settings, or one line saying which differ
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         torch.set_rng_state(saved["rng"]["cpu"][rank].cpu())  # each rank its own random stream
