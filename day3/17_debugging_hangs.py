@@ -10,7 +10,8 @@ Lesson 6's DDP loop with three mistakes learners make, one at a time (--bug; non
   `if rank == 0`, rank 0 waits in it while the other ranks go on into the next step's gradient all_reduce.
 - uneven: ranks with different numbers of batches.  The last rank's shard holds one batch more (a data set
   split by hand into files of different sizes, without DistributedSampler's padding): the other ranks finish
-  the epoch and wait in the barrier before the test, the last one waits in DDP's all_reduce of its backward.
+  the epoch and wait in the barrier before the evaluation, the last one waits in DDP's all_reduce of its
+  backward.
 - shape: ranks all_reduce tensors of different sizes (the last rank sends one number more in the loss that
   is logged every step).
 gloo pairs the n-th collective of every rank whatever it is: a barrier against an all_reduce waits until
@@ -126,7 +127,7 @@ def worker(info, args):
                     dist.barrier()  # DIST: no rank goes on before the checkpoint is written
             if step == args.max_steps:
                 break
-        dist.barrier()  # DIST: every rank has finished its epoch before the test
+        dist.barrier()  # DIST: every rank has finished its epoch before the evaluation
         accuracy, test_loss, counted = evaluate(model.module, test_set, rank, world_size)
         prof.epoch(epoch, accuracy, test_loss)
         if rank == 0:
