@@ -1,0 +1,119 @@
+"""What gradient accumulation and activation checkpointing save, counted while lesson 14 trains.
+
+    meter = accumulation.Meter(model, device, checkpointed)  # after DDP(...), before the first forward
+    with meter.forward():                      # around every micro-batch's forward pass
+        loss = ...
+    metrics = meter.summary(steps, samples)    # rank 0: into metrics.json, and one line printed
+
+Two counts:
+- all_reduce: a DDP communication hook that counts each bucket DDP hands to it (calls, bytes) and then does
+  exactly what DDP does without a hook (divide by the world size, all_reduce the sum).  A round is one
+  backward pass's buckets, the last of which DDP marks `is_last()`.  Under `no_sync()` DDP calls no hook at
+  all: nothing is sent.
+- the bytes kept for backward during one micro-batch's forward pass: every tensor autograd saves passes
+  through `torch.autograd.graph.saved_tensors_hooks`; each distinct storage is counted once, the model's own
+  parameters not at all (they are there anyway).  A checkpointed block saves nothing through these hooks
+  (checkpoint installs its own, innermost, and keeps only the block's input to run it again in backward), so
+  its input is counted where the block starts.  Counted on the first forward pass only: the same shapes give
+  the same bytes every time.  On CUDA, torch.cuda.max_memory_allocated adds the peak of the whole run.
+"""
+import contextlib
+import math
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+
+def _storage(t: torch.Tensor):
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+class Meter:
+    def __init__(self, model, device, checkpointed: bool, blocks=None):
+        """`model`: the DDP-wrapped model (its hook is registered here, before any backward pass);
+        `checkpointed`: whether `blocks` (default: model.module.blocks) run under checkpoint."""
+        self.device, self.checkpointed = device, checkpointed
+        self.comm = {"calls": 0, "rounds": 0, "bytes": 0}
+        model.register_comm_hook(self.comm, _counting_allreduce)
+        self.parameters = {_storage(p)[0] for p in model.parameters()}
+        self.saved, self.counted, self.counting = {}, False, False
+        for block in blocks if blocks is not None else model.module.blocks:
+            block.register_forward_pre_hook(self._block_input)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def _keep(self, t: torch.Tensor) -> None:
+        ptr, size = _storage(t)
+        if ptr not in self.parameters:
+            self.saved[ptr] = size
+
+    def _pack(self, t):
+        self._keep(t)
+        return t
+
+    def _block_input(self, block, inputs):
+        # a checkpointed block's forward runs inside checkpoint, whose own hooks hide what it saves: what it
+        # keeps is its input.  Without checkpoint the block's first layer norm saves that same storage.
+        if self.counting and self.checkpointed and torch.is_grad_enabled():
+            self._keep(inputs[0])
+
+    @contextlib.contextmanager
+    def forward(self):
+        """Count what the first forward pass saves for backward; later passes run untouched."""
+        if self.counted:
+            yield
+            return
+        self.counting = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                yield
+        finally:
+            self.counting, self.counted = False, True
+
+    def summary(self, steps: int, samples_per_step: int) -> dict:
+        """The counts as metrics.json keys: per optimizer step and per sample of the global batch."""
+        c = self.comm
+        out = {"allreduce_calls": c["calls"], "allreduce_rounds": c["rounds"], "allreduce_bytes": c["bytes"],
+               "allreduce_calls_per_step": c["calls"] / steps, "allreduce_rounds_per_step": c["rounds"] / steps,
+               "allreduce_bytes_per_step": c["bytes"] / steps,
+               "allreduce_bytes_per_sample": c["bytes"] / (steps * samples_per_step),
+               "saved_for_backward_bytes": sum(self.saved.values()),
+               "cuda_peak_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
+               else None}
+        return out
+
+
+def _counting_allreduce(state: dict, bucket):
+    """DDP's communication hook: count this bucket, then all_reduce it as DDP does by default."""
+    buffer = bucket.buffer()
+    state["calls"] += 1
+    state["bytes"] += buffer.numel() * buffer.element_size()
+    state["rounds"] += bucket.is_last()
+    return allreduce_hook(None, bucket)
+
+
+def describe(m: dict, accumulate: int, checkpointing: bool) -> str:
+    """One line: what one optimizer step sent, and what one micro-batch kept for backward."""
+    peak = f"; CUDA peak {m['cuda_peak_bytes'] / 2 ** 20:.1f} MB" if m["cuda_peak_bytes"] is not None else ""
+    return (f"all_reduce per optimizer step: {m['allreduce_rounds_per_step']:g} round of "
+            f"{m['allreduce_calls_per_step']:g} bucket(s), {m['allreduce_bytes_per_step'] / 1024:.1f} KB "
+            f"= {m['allreduce_bytes_per_sample']:.1f} bytes per sample ({accumulate} micro-batch(es)); "
+            f"kept for backward per micro-batch: {m['saved_for_backward_bytes'] / 2 ** 20:.3f} MB "
+            f"(activation checkpointing {'on' if checkpointing else 'off'}){peak}")
+
+
+def check_args(args) -> None:
+    """One clear line, before any rank starts, if one optimizer step needs more batches than a rank's shard
+    holds (it would never step)."""
+    from course.cli import QUICK_TRAIN_SAMPLES, CourseError
+    from course.memory import world_size_of
+
+    samples = args.train_samples or (QUICK_TRAIN_SAMPLES if args.quick else 60_000)
+    world_size = world_size_of(args)
+    shard = math.ceil(samples / world_size)
+    batches = math.ceil(shard / args.batch_size)
+    if args.accumulate > batches:
+        raise CourseError(f"--accumulate {args.accumulate}: each rank's shard of {samples} samples holds only "
+                          f"{batches} batches of {args.batch_size} ({world_size} ranks), fewer than one "
+                          f"optimizer step needs; lower --accumulate or --batch-size, or train on more samples")
