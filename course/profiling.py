@@ -26,14 +26,18 @@ SCHEDULE = {"wait": 1, "warmup": 1, "active": 3}  # lesson 5 explains the three 
 
 
 def add_profile_args(p):
-    """`--profile` and `--log-dir` for lessons that offer profiling as an option (lesson 5 explains it)."""
+    """`--profile` and `--log-dir` for lessons that offer profiling as an option (lesson 5 explains it), and
+    `--watch-hardware`, `--watch-interval` (course/monitor.py)."""
     p.add_argument("--profile", action="store_true",
                    help=f"trace training steps {SCHEDULE['wait'] + SCHEDULE['warmup'] + 1}-"
                         f"{sum(SCHEDULE.values())} with torch.profiler (one trace per rank) and write "
                         "TensorBoard scalars, as lesson 5 does")
     p.add_argument("--log-dir", type=Path, default=None,
-                   help="where --profile writes traces and scalars (default: the run dir)")
-    return p
+                   help="where --profile writes traces and scalars, and --watch-hardware its TensorBoard "
+                        "scalars (default: the run dir)")
+    from course.monitor import add_monitor_args
+
+    return add_monitor_args(p)  # --watch-hardware: watching the hardware (course/monitor.py)
 
 
 def writable_log_dir(log_dir) -> Path:
@@ -247,7 +251,17 @@ def maybe_profile(args, rank: int, device):
     Usage: `prof = maybe_profile(args, rank, device)`, `prof.step(loss, samples)` after each optimizer step,
     `prof.epoch(epoch, accuracy, test_loss)` after each evaluation, `prof.close()` after training.
     `samples` is the global number of samples of the step; it gives samples/s per epoch.
+    With `--watch-hardware` the object also runs course/monitor.py's sampling thread until close().
     """
+    prof = _profile(args, rank, device)
+    if getattr(args, "watch_hardware", False):
+        from course.monitor import watching
+
+        return watching(prof, args, rank, device)
+    return prof
+
+
+def _profile(args, rank: int, device):
     if not getattr(args, "profile", False):
         return _Off()
     log_dir = Path(args.log_dir or args.run_dir)

@@ -1,0 +1,303 @@
+"""Watching the hardware: `--watch-hardware` on the training lessons (through course/profiling.py, as --profile).
+
+Each rank starts a background thread that, every --watch-interval seconds, writes down what its own process
+and its own GPU are doing:
+- CPU: the process's CPU% (psutil: 100 % = one core busy for the whole interval; all its threads together)
+  and its resident memory (RSS: the bytes of RAM it holds, the in-memory dataset included);
+- CUDA: through NVML (the library behind nvidia-smi; Python package nvidia-ml-py, module `pynvml`) the GPU's
+  utilization (the share of the time some kernel was running), its memory in use (by every process on that
+  GPU) and its power draw; and at the end torch's own peak, torch.cuda.max_memory_allocated.
+
+NVML numbers its GPUs physically and ignores CUDA_VISIBLE_DEVICES (which Slurm and torchrun users set), so
+cuda:0 of a rank may be NVML's GPU 3: the rank's GPU is found by its UUID, the one id both agree on.
+
+At the end each rank prints one line, writes RUN_DIR/hardware/rank{r}.json (every sample and a summary), and
+has written TensorBoard scalars to LOG_DIR/hardware/rank{r}/ while it ran (flushed every few seconds, so a
+running or stuck job can be watched).  If training fails, the thread ends with the process and no JSON
+file is written.  docs/learners/monitoring.md says what the numbers mean.
+
+Importing this module is cheap: psutil, pynvml and tensorboard are imported only with --watch-hardware.
+The flag is not called `--monitor`: torchrun has a `--monitor-interval` option, and its parser (Python 3.11)
+stops with "ambiguous option" at a `--monitor` it reads as an abbreviation, even after the script's name.
+"""
+import argparse
+import importlib.util
+import math
+import threading
+import time
+from pathlib import Path
+
+DEFAULT_INTERVAL = 0.5
+SHORTEST_INTERVAL = 0.01
+TB_FLUSH_SECONDS = 5
+MB = 1e6
+
+
+def interval_seconds(text: str) -> float:
+    """--watch-interval: a number of seconds, at least SHORTEST_INTERVAL and finite."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < SHORTEST_INTERVAL:
+        raise argparse.ArgumentTypeError(f"{text} seconds: give a number of seconds of at least "
+                                         f"{SHORTEST_INTERVAL}, e.g. {DEFAULT_INTERVAL}")
+    return value
+
+
+class _MonitorFlag(argparse.Action):
+    """--watch-hardware; psutil is checked here, before any rank starts, so that its absence is one line."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=False, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if importlib.util.find_spec("psutil") is None:
+            parser.error("--watch-hardware needs the psutil package: pip install psutil "
+                         "(it is in requirements.txt)")
+        setattr(namespace, self.dest, True)
+
+
+def add_monitor_args(p):
+    p.add_argument("--watch-hardware", action=_MonitorFlag,
+                   help="watch the hardware: each rank samples its CPU%%, memory and (CUDA) its GPU's "
+                        "utilization, memory and power in a background thread; one line per rank at the "
+                        "end, RUN_DIR/hardware/rank*.json, TensorBoard scalars in LOG_DIR/hardware/rank*")
+    p.add_argument("--watch-interval", type=interval_seconds, default=DEFAULT_INTERVAL, metavar="SECONDS",
+                   help="with --watch-hardware: seconds between two samples")
+    return p
+
+
+# --- the rank's GPU in NVML ------------------------------------------------------------------------------
+
+def _bare_uuid(uuid) -> str:
+    """A GPU UUID without NVML's "GPU-" prefix (torch prints it without), lower case."""
+    if isinstance(uuid, bytes):
+        uuid = uuid.decode()
+    uuid = str(uuid).strip().lower()
+    return uuid[4:] if uuid.startswith("gpu-") else uuid
+
+
+def nvml_index(nvml, torch_uuid) -> int | None:
+    """The NVML index of the GPU whose UUID is `torch_uuid` (torch.cuda.get_device_properties(d).uuid), or
+    None.  NVML counts every GPU of the node whatever CUDA_VISIBLE_DEVICES says; the UUID is the same in both."""
+    wanted = _bare_uuid(torch_uuid)
+    for index in range(nvml.nvmlDeviceGetCount()):
+        if _bare_uuid(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(index))) == wanted:
+            return index
+    return None
+
+
+class _Gpu:
+    """The rank's own GPU in NVML; `note` says why there is none."""
+
+    def __init__(self, device):
+        import torch
+
+        self.handle, self.note, self.device = None, None, device
+        self.info = {}
+        try:
+            import pynvml
+        except ImportError:
+            self.note = "GPU numbers need the nvidia-ml-py package: pip install nvidia-ml-py"
+            return
+        self.nvml = pynvml
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as e:
+            self.note = f"NVML could not start ({e}): no GPU numbers"
+            return
+        props = torch.cuda.get_device_properties(device)
+        try:
+            index = nvml_index(pynvml, props.uuid)
+        except pynvml.NVMLError as e:
+            index, self.note = None, f"NVML could not list the GPUs ({e}): no GPU numbers"
+        if index is None:
+            self.note = self.note or (f"no GPU with {device}'s UUID {props.uuid} in NVML (a MIG slice?): "
+                                      "no GPU numbers")
+            pynvml.nvmlShutdown()
+            return
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        self.info = {"device": str(device), "nvml_index": index, "name": props.name, "uuid": str(props.uuid)}
+
+    def sample(self) -> dict:
+        nvml, h = self.nvml, self.handle
+        return {"gpu_util_percent": self._read(lambda: nvml.nvmlDeviceGetUtilizationRates(h).gpu),
+                "gpu_memory_mb": self._read(lambda: nvml.nvmlDeviceGetMemoryInfo(h).used / MB),
+                "gpu_power_w": self._read(lambda: nvml.nvmlDeviceGetPowerUsage(h) / 1000)}  # milliwatts
+
+    def _read(self, get):
+        try:
+            return get()
+        except self.nvml.NVMLError:  # not supported on this GPU (e.g. power on some boards)
+            return None
+
+    def close(self):
+        if self.handle is not None:
+            self.nvml.nvmlShutdown()
+            self.handle = None
+
+
+# --- the sampling thread ----------------------------------------------------------------------------------
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _max(values):
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+class Monitor:
+    """A thread that samples this rank's process (and GPU) every `interval` seconds until stop()."""
+
+    def __init__(self, rank: int, world_size: int, device, interval: float, json_path: Path, tb_dir: Path):
+        import psutil
+
+        self.rank, self.world_size, self.device, self.interval = rank, world_size, device, interval
+        self.json_path, self.tb_dir = Path(json_path), Path(tb_dir)
+        self.process = psutil.Process()
+        self.gpu = _Gpu(device) if device.type == "cuda" else None
+        self.samples, self.steps = [], 0
+        self.writer = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"monitor-rank{rank}", daemon=True)
+        self.summary = None
+
+    def start(self):
+        from torch.utils.tensorboard import SummaryWriter
+
+        for old in self.tb_dir.glob("events.out.tfevents.*"):  # TensorBoard would draw an old run beside it
+            old.unlink(missing_ok=True)
+        self.json_path.unlink(missing_ok=True)  # a failed run leaves no file rather than an earlier run's
+        self.writer = SummaryWriter(str(self.tb_dir), flush_secs=TB_FLUSH_SECONDS)
+        self.process.cpu_percent()  # the first call only starts psutil's clock
+        self.start_time = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self._record()
+
+    def _record(self):
+        memory = self.process.memory_info()
+        sample = {"t": round(time.perf_counter() - self.start_time, 3), "step": self.steps,
+                  "cpu_percent": self.process.cpu_percent(), "rss_mb": memory.rss / MB}
+        if self.gpu is not None and self.gpu.handle is not None:
+            sample.update(self.gpu.sample())
+        self.samples.append(sample)
+        n = len(self.samples)
+        for key, value in sample.items():
+            if key not in ("t", "step") and value is not None:
+                self.writer.add_scalar(f"hardware/{key}", value, n)
+
+    def stop(self) -> dict:
+        """End the thread (one last sample), write the JSON file, print the rank's line; once."""
+        if self.summary is not None:
+            return self.summary
+        self._stop.set()
+        self._thread.join()
+        self._record()  # the end of the run, also when it was shorter than one interval
+        self.writer.close()
+        self.summary = self._summarize()
+        if self.gpu is not None:
+            self.gpu.close()
+        from course.output import rank_print, write_json
+
+        write_json(self.json_path, {"rank": self.rank, "world_size": self.world_size, "summary": self.summary,
+                                    "samples": self.samples})
+        rank_print(self.rank, self.line())
+        return self.summary
+
+    def _summarize(self) -> dict:
+        import torch
+
+        column = {key: [s.get(key) for s in self.samples] for key in self.samples[-1]}
+        try:
+            cores = len(self.process.cpu_affinity())
+        except (AttributeError, OSError):  # not offered on macOS
+            cores = None
+        summary = {"samples": len(self.samples), "interval_s": self.interval, "seconds": self.samples[-1]["t"],
+                   "steps": self.steps, "torch_threads": torch.get_num_threads(), "cores_allowed": cores,
+                   "cpu_percent_mean": _mean(column["cpu_percent"]), "cpu_percent_max": _max(column["cpu_percent"]),
+                   "rss_mb_max": _max(column["rss_mb"]), "gpu": None}
+        if self.gpu is not None:
+            gpu = {**self.gpu.info, "note": self.gpu.note}
+            if self.gpu.info:
+                gpu.update(util_percent_mean=_mean(column["gpu_util_percent"]),
+                           memory_used_mb_max=_max(column["gpu_memory_mb"]),
+                           power_w_mean=_mean(column["gpu_power_w"]),
+                           torch_max_allocated_mb=torch.cuda.max_memory_allocated(self.device) / MB)
+            summary["gpu"] = gpu
+        return summary
+
+    def line(self) -> str:
+        s = self.summary
+
+        def num(value, unit):
+            return "n/a" if value is None else f"{value:.0f}{unit}"
+
+        cpu = (f"CPU {num(s['cpu_percent_mean'], '%')} mean, {num(s['cpu_percent_max'], '%')} max "
+               f"(100% = one core; {s['torch_threads']} torch thread{'s' * (s['torch_threads'] > 1)}), "
+               f"RSS {num(s['rss_mb_max'], ' MB')} max")
+        gpu = ""
+        if s["gpu"] is not None:
+            g = s["gpu"]
+            gpu = (f"{g['note']}; " if g["note"] else
+                   f"GPU {g['nvml_index']} ({g['name']}) {num(g['util_percent_mean'], '%')} busy, "
+                   f"{num(g['memory_used_mb_max'], ' MB')} used max (torch's tensors "
+                   f"{num(g['torch_max_allocated_mb'], ' MB')} max), {num(g['power_w_mean'], ' W')} mean; ")
+        samples = f"{s['samples']} sample{'s' * (s['samples'] > 1)}"
+        return (f"hardware, {samples} in {s['seconds']:.1f} s: {gpu}{cpu}; "
+                f"every sample in {self.json_path}")
+
+
+def remove_other_ranks(monitor_dir: Path, tb_root: Path, world_size: int) -> None:
+    """Rank 0: the files of ranks this run does not have (an earlier run with more ranks) would be read as
+    this run's."""
+    for path in Path(monitor_dir).glob("rank*.json"):
+        if path.stem[4:].isdigit() and int(path.stem[4:]) >= world_size:
+            path.unlink(missing_ok=True)
+    for directory in Path(tb_root).glob("rank*"):
+        if directory.name[4:].isdigit() and int(directory.name[4:]) >= world_size:
+            for old in directory.glob("events.out.tfevents.*"):
+                old.unlink(missing_ok=True)
+
+
+class _Watching:
+    """What maybe_profile returns with --watch-hardware: the profiler's (or the do-nothing) object, and the
+    monitor, counting the training steps and stopping at close()."""
+
+    def __init__(self, prof, monitor: Monitor):
+        self.prof, self.monitor = prof, monitor
+
+    def step(self, loss=None, samples=0):
+        self.prof.step(loss, samples)
+        self.monitor.steps += 1
+
+    def epoch(self, epoch, accuracy, test_loss):
+        self.prof.epoch(epoch, accuracy, test_loss)
+
+    def close(self):
+        self.prof.close()
+        self.monitor.stop()
+
+
+def watching(prof, args, rank: int, device):
+    """`prof` with this rank's Monitor started beside it (maybe_profile calls this with --watch-hardware)."""
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    monitor_dir = Path(args.run_dir) / "hardware"
+    tb_root = Path(getattr(args, "log_dir", None) or args.run_dir) / "hardware"
+    if rank == 0:
+        remove_other_ranks(monitor_dir, tb_root, world_size)
+    from course.profiling import writable_log_dir
+
+    writable_log_dir(tb_root / f"rank{rank}")  # or one line naming it
+    monitor = Monitor(rank, world_size, device, args.watch_interval, monitor_dir / f"rank{rank}.json",
+                      tb_root / f"rank{rank}")
+    return _Watching(prof, monitor.start())
