@@ -343,8 +343,12 @@ RUNS = {
     "0_torch_dist": [],
     # fp16 for 6 steps with an inf injected into rank 1's loss at step 3: both ranks skip it
     "13_mixed_precision": SMALL + ["--precision", "fp16", "--max-steps", "6", "--overflow-at", "3"],
+    # 2 micro-batches of 64 per step, each block checkpointed: one all_reduce round per step
+    "14_accumulation_checkpointing": SMALL + ["--max-steps", "6", "--accumulate", "2", "--checkpoint-activations"],
     # the default model (width 128) over 2 ranks: over the default 4 MB budget under DDP, within it sharded
     "15_fsdp2": SMALL + ["--max-steps", "6"],
+    # 6 steps over 2 ranks with checkpoints at 3 and 6 (--resume if-any: none yet), then the export (1 task)
+    "16_distributed_checkpoint": SMALL + ["--max-steps", "6", "--checkpoint-every", "3"],
     # the healthy run, then the --bug skip repro the launcher runs after it (a 5 s collective timeout)
     "17_debugging_hangs": SMALL + ["--max-steps", "6", "--save-every", "3", "--timeout", "5"],
     "create_mnist_h5": ["--chunk-samples", "500", "--output", "{work}/made-by-job.h5"],
@@ -449,10 +453,26 @@ def check_13_mixed_precision(log, work):
     assert "global batch 128, fp16: test accuracy" in log and "weights identical on all ranks: True" in log
 
 
+def check_14_accumulation_checkpointing(log, work):
+    assert "all_reduce per optimizer step: 1 round of 1 bucket(s)" in log
+    assert "(activation checkpointing on)" in log
+    assert "2 ranks x 2 micro-batches x batch 64 = global batch 256, bf16: test accuracy" in log
+
+
 def check_15_fsdp2(log, work):
     assert "DDP's full replica needs 6.18 MB (does not fit); FSDP2 over 2 ranks needs 3.10 MB (fits)" in log
     ratio = float(re.search(r"MB: (0\.\d+) of DDP's \(1/2 = 0.500\)", log).group(1))
     assert ratio <= 0.55 and "global batch 128, fp32: test accuracy" in log
+
+
+def check_16_distributed_checkpoint(log, work):
+    run = work / "runs/16_distributed_checkpoint"
+    for step in (3, 6):
+        assert f"[rank 0] checkpoint runs/16_distributed_checkpoint/checkpoints/step-{step:09d} (step {step})" in log
+    assert "steps 1 to 6 (6 steps) in" in log and "checkpoints: 2 with dcp.save" in log
+    assert ("exported the model of step-000000006 (saved by 2 ranks) to runs/16_distributed_checkpoint/"
+            "model-export.pt") in log
+    assert (run / "model-export.pt").stat().st_size > 0 and (run / "checkpoints/step-000000006/complete.json").exists()
 
 
 def check_17_debugging_hangs(log, work):
