@@ -132,9 +132,16 @@ def test_interval_values_refused(text):
 def test_torchrun_passes_the_options_on_to_the_lesson():
     """torchrun has its own --monitor-interval: a lesson option `--monitor` would stop torchrun's parser
     ("ambiguous option"), even after the script's name."""
+    import argparse
+
     from torch.distributed.run import get_args_parser
 
-    options = ["--watch-hardware", "--watch-interval", "0.2", "--log-dir", "tb"]
+    from course.profiling import add_profile_args
+    options = []
+    for action in add_profile_args(argparse.ArgumentParser())._actions:
+        if action.option_strings[0] != "-h":
+            options += [action.option_strings[0]] + (["0.2"] if action.nargs != 0 else [])
+    assert "--watch-interval" in options  # the monitor's options are among them
     assert get_args_parser().parse_args([SCRIPT, *options]).training_script_args == options
 
 
