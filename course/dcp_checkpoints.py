@@ -11,7 +11,9 @@ lesson 16's idea and stays in the lesson; this module is the file plumbing aroun
   sizes (a file cut short by a full disk or a copy is caught); damaged or unfinished ones are reported and
   skipped;
 - check(): before any rank starts: --resume needs a directory with a complete checkpoint of the same model
-  and global batch; a run without --resume refuses a directory that already holds checkpoints;
+  and global batch (--resume if-any starts a new run when there is none yet: a job submitted again); a
+  checkpoint already at --max-steps or --epochs leaves nothing to train (one line, exit 0); a run without
+  --resume refuses a directory that already holds checkpoints;
 - export(): the newest checkpoint's model, loaded in one process (DCP reassembles every parameter from the
   shards of all ranks), written as one ordinary state dict that torch.load(weights_only=True) reads.
 """
@@ -117,7 +119,9 @@ def check(args, world_size: int) -> None:
     """Before any rank starts: the checkpoint directory agrees with --resume, the model and the batch."""
     from course.cli import CourseError
 
-    directory = args.checkpoint_dir
+    directory, asked = args.checkpoint_dir, args.resume
+    if args.resume == "if-any" and newest(directory, say=lambda *_: None)[0] is None:
+        args.resume = None  # nothing to resume yet: a new run (unfinished saves are removed as for one)
     if args.resume:
         if not directory.is_dir():
             raise CourseError(f"--resume: the checkpoint dir {directory} does not exist; give the --checkpoint-dir "
@@ -137,15 +141,23 @@ def check(args, world_size: int) -> None:
         if differ:
             raise CourseError(f"the checkpoint in {directory} is of another run ({', '.join(differ)}); resume "
                               f"with the settings it was saved with")
+        if info["epoch"] >= args.epochs or (args.max_steps and info["step"] >= args.max_steps):
+            end = (f"--max-steps {args.max_steps}" if args.max_steps and info["step"] >= args.max_steps
+                   else f"--epochs {args.epochs}")
+            if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:  # once, also under torchrun
+                print(f"nothing to train: the newest checkpoint in {directory} is at step {info['step']} (epoch "
+                      f"{info['epoch']}) and this run ends at {end}; raise it to train on, or --export the "
+                      f"checkpoint", flush=True)
+            raise SystemExit(0)
         g = info["global_batch_size"]
         if mine["global_batch_size"] != g:
-            fix = f"--batch-size {g // world_size}" if g % world_size == 0 else f"a world size that divides {g}"
+            fix = (f"resume at {world_size} ranks with --batch-size {g // world_size}" if g % world_size == 0 else
+                   f"{g} does not divide among {world_size} ranks: resume at a world size that divides {g}")
             raise CourseError(f"the checkpoint in {directory} was trained with global batch {g} "
-                              f"({info['world_size']} ranks), this run's is {mine['global_batch_size']}; "
-                              f"resume at {world_size} ranks with {fix}")
-    elif directory.is_dir() and (final_dirs(directory) or any(directory.glob(".step-*.tmp"))):
-        raise CourseError(f"{directory} already holds checkpoints; add --resume to go on from the newest, or "
-                          f"choose another --checkpoint-dir")
+                              f"({info['world_size']} ranks), this run's is {mine['global_batch_size']}; {fix}")
+    elif directory.is_dir() and (final_dirs(directory) or (asked is None and any(directory.glob(".step-*.tmp")))):
+        fix = "none of them is complete: remove them" if asked == "if-any" else "add --resume to go on from the newest"
+        raise CourseError(f"{directory} already holds checkpoints; {fix}, or choose another --checkpoint-dir")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         if not os.access(directory, os.W_OK):
@@ -228,8 +240,9 @@ def add_args(p):
     p.add_argument("--checkpoint-dir", type=Path, default=None,
                    help="where the checkpoints go (default: RUN_DIR/checkpoints)")
     p.add_argument("--keep", type=positive_int, default=2, help="checkpoints kept (the newest ones)")
-    p.add_argument("--resume", action="store_true",
-                   help="go on from the newest complete checkpoint in --checkpoint-dir, at any world size")
+    p.add_argument("--resume", nargs="?", const="yes", default=None, choices=("yes", "if-any"),
+                   help="go on from the newest complete checkpoint in --checkpoint-dir, at any world size; "
+                        "--resume if-any: start a new run when there is none yet (a job submitted again)")
     p.add_argument("--async-save", action="store_true",
                    help="dcp.async_save: write checkpoints in a background thread while training goes on")
     p.add_argument("--export", type=Path, default=None, metavar="PATH",
@@ -237,9 +250,9 @@ def add_args(p):
     return p
 
 
-def report(stalls: list, asynchronous: bool, first: int, last: int) -> None:
+def report(stalls: list, asynchronous: bool) -> None:
     """Rank 0: how long the training loop waited for its saves."""
     kind = "async_save (a thread writes)" if asynchronous else "save (the loop writes)"
     mean = sum(stalls) / len(stalls) if stalls else 0.0
     print(f"checkpoints: {len(stalls)} with dcp.{kind}; the training loop waited {mean * 1000:.1f} ms per save "
-          f"(most {max(stalls, default=0) * 1000:.1f} ms); steps {first + 1} to {last} trained here", flush=True)
+          f"(most {max(stalls, default=0) * 1000:.1f} ms)", flush=True)

@@ -25,6 +25,8 @@ Lesson 15's FSDP2 loop, with checkpoints that fit it:
   ranks, loaded by 2, or the other way round), set_state_dict puts them in place.  The same global batches
   follow: keep world size x --batch-size equal (the run stops with the --batch-size to use otherwise).
   The weights then equal the uninterrupted run's up to float rounding: other W, other order of sums.
+  --resume if-any resumes when there is a checkpoint and starts a new run when there is none (a job that
+  may be submitted again); a checkpoint already at --max-steps leaves nothing to train (one line, exit 0).
 - --async-save: dcp.async_save copies this rank's shards to CPU memory, returns, and writes them in a
   background thread while training goes on, over a gloo process group of its own (collectives of the
   saver's thread must not mix with the training loop's; gloo because the saver works on the CPU copy,
@@ -155,7 +157,8 @@ def worker(info, args):
     saves.wait()
     seconds = time.perf_counter() - start
     prof.close()
-    rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch)")
+    rank_print(rank, f"steps {position['step'] + 1} to {step} ({step - position['step']} steps) in {seconds:.1f} s "
+                     f"(this rank's shard: {len(sampler)} samples per epoch)")
     per_rank = memory.gather(rank, model, optimizer, after_forward)  # DIST: what every rank holds, in bytes
     full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}  # DIST: all_gathers, all ranks
     losses = torch.stack(losses)
@@ -180,7 +183,7 @@ def worker(info, args):
         plot_curves(run / "loss.png", {f"{args.precision}, {world_size} ranks": (range(position["step"] + 1, step + 1), losses)},
                     "step", "training loss (mean over ranks)", f"{args.model}, global batch {global_batch}")
         memory.report(per_rank, args.planned, args.memory_budget_mb)
-        ckpt.report(saves.stalls, args.async_save, position["step"], step)
+        ckpt.report(saves.stalls, args.async_save)
         print(f"{world_size} ranks x batch {args.batch_size} = global batch {global_batch}, {args.precision}: "
               f"test accuracy {accuracy:.4f}; outputs in {run}", flush=True)
     dist.destroy_process_group()
