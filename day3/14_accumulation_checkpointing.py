@@ -111,6 +111,7 @@ def worker(info, args):
             losses.append(loss)
             norms.append(norm.detach())
             step += 1
+            meter.step()  # the time of each optimizer step, for the summary
             seen = world_size * sum(len(y) for _, y in micro_batches)  # the global batch, W x k x b
             samples += seen
             prof.step(loss, seen)
