@@ -109,7 +109,7 @@ def describe(m: dict, accumulate: int, checkpointing: bool) -> str:
     """One line: what one optimizer step sent, and what one micro-batch kept for backward."""
     peak = f"; CUDA peak {m['cuda_peak_bytes'] / 2 ** 20:.1f} MB" if m["cuda_peak_bytes"] is not None else ""
     timing = f"; {m['step_seconds'] * 1000:.1f} ms per optimizer step" if m["step_seconds"] is not None else ""
-    return (f"all_reduce per optimizer step: {m['allreduce_rounds_per_step']:g} round of "
+    return (f"all_reduce per optimizer step: {m['allreduce_rounds_per_step']:g} round(s) of "
             f"{m['allreduce_calls_per_step']:g} bucket(s), {m['allreduce_bytes_per_step'] / 1024:.1f} KB "
             f"= {m['allreduce_bytes_per_sample']:.1f} bytes per sample ({accumulate} micro-batch(es)); "
             f"kept for backward per micro-batch: {m['saved_for_backward_bytes'] / 2 ** 20:.3f} MB "

@@ -454,7 +454,7 @@ def check_13_mixed_precision(log, work):
 
 
 def check_14_accumulation_checkpointing(log, work):
-    assert "all_reduce per optimizer step: 1 round of 1 bucket(s)" in log
+    assert "all_reduce per optimizer step: 1 round(s) of 1 bucket(s)" in log
     assert "(activation checkpointing on)" in log
     assert "2 ranks x 2 micro-batches x batch 64 = global batch 256, bf16: test accuracy" in log
 
