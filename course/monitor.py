@@ -190,8 +190,8 @@ class Monitor:
             sample.update(self.gpu.sample())
         self.samples.append(sample)
         n = len(self.samples)
-        for key, value in sample.items():
-            if key not in ("t", "step") and value is not None:
+        for key, value in sample.items():  # "step", the training steps done: flat on every rank in a hang
+            if key != "t" and value is not None:
                 self.writer.add_scalar(f"hardware/{key}", value, n)
 
     def stop(self) -> dict:

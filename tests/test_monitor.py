@@ -27,7 +27,7 @@ from conftest import GPU_ENV, PYTHON, REPO, lesson, run
 SCRIPT = "day1/6_mnist_ddp_pt.py"
 # the float32 images the lesson holds (InMemoryMNIST): 60000 (or --quick's 12800) train + 10000 test, 28x28
 TRAIN_MB, QUICK_TRAIN_MB, TEST_MB = (n * 784 * 4 / 1e6 for n in (60_000, 12_800, 10_000))
-TAGS = {"hardware/cpu_percent", "hardware/rss_mb"}
+TAGS = {"hardware/cpu_percent", "hardware/rss_mb", "hardware/step"}
 LINE = re.compile(r"^\[rank (\d)\] hardware, (\d+) samples? in [\d.]+ s: CPU (\d+)% mean, (\d+)% max .*"
                   r"RSS (\d+) MB max; every sample in (\S+)$", re.M)
 
@@ -102,6 +102,7 @@ def test_tensorboard_scalars_per_rank_and_no_earlier_run(runs):
             assert set(acc.Tags()["scalars"]) == TAGS
             rss = [e.value for e in acc.Scalars("hardware/rss_mb")]
             assert rss == pytest.approx([x["rss_mb"] for x in data["samples"]], rel=1e-6)
+            assert [e.value for e in acc.Scalars("hardware/step")] == [x["step"] for x in data["samples"]]
     quick = runs["quick"][0] / "hardware"
     assert sorted(p.name for p in quick.iterdir()) == ["rank0", "rank0.json", "rank1", "rank1.json", "rank2",
                                                         "rank3"]
