@@ -1,0 +1,168 @@
+# %% [markdown]
+# # Lesson 14: gradient accumulation and activation checkpointing
+#
+# Script: [`day3/14_accumulation_checkpointing.py`](../day3/14_accumulation_checkpointing.py).
+#
+# A batch that does not fit in memory, and a model whose activations do not: two problems that lesson 13's
+# 16 bits only halve. This lesson adds two answers to lesson 13's loop, each one flag away, and measures
+# what each saves.
+#
+# - **Gradient accumulation, `--accumulate K`.** An optimizer step takes K micro-batches of `--batch-size` b
+#   per rank, one after the other; their gradients add up in `.grad` and the optimizer steps once. The loss
+#   of each micro-batch is divided by K, so the sum is the gradient of the mean over all K x b samples: the
+#   global batch per step is W x K x b, with the memory of a batch of b.
+# - **`model.no_sync()` for the first K-1 micro-batches**, forward and backward inside it: DDP sends
+#   nothing and only accumulates; the last micro-batch's backward all_reduces the summed gradients once.
+#   One round of all_reduce per optimizer step instead of K: 1/K of the bytes per sample.
+# - **Activation checkpointing, `--checkpoint-activations`.** Each transformer block runs under
+#   `torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)`: autograd keeps only the block's
+#   input, not its intermediate tensors, and backward runs the block's forward again to get them back. Less
+#   memory for more compute, and the same arithmetic: the same gradients.
+#
+# What each saves is counted while the run trains (course/accumulation.py): a DDP communication hook counts
+# every bucket it all_reduces, and saved-tensor hooks count the bytes autograd keeps for backward.
+
+# %%
+from nbhelpers import *
+
+# The one switch. False: --quick (10 steps) on 2 CPU processes. True: full epochs, one process per GPU.
+FULL_SIZE = False
+SIZE = [] if FULL_SIZE else ["--quick", "--max-steps", "10"]
+NPROC = full_size_nproc() if FULL_SIZE else 2
+# one GPU per rank, or every rank on the CPU (NCCL cannot put two ranks on one GPU)
+DEVICE = [] if gpu_count() >= NPROC else ["--device", "cpu"]
+# lesson 13's bf16 where a GPU computes in it; fp32 on this CPU, which has no bf16 instructions (lesson 13)
+PRECISION = ["--precision", "bf16"] if not DEVICE else ["--precision", "fp32"]
+RUN = run_dir("14_accumulation_checkpointing")
+
+# %% [markdown]
+# ## What changed against lesson 13
+#
+# The inner loop over K micro-batches with `no_sync()` around all but the last, the loss divided by K, and
+# a `checkpoint` around each block's forward. Mixed precision stays as it was.
+
+# %%
+show_diff("day3/13_mixed_precision.py", "day3/14_accumulation_checkpointing.py")
+
+# %%
+show_tagged("day3/14_accumulation_checkpointing.py")
+
+# %% [markdown]
+# ## Four runs
+#
+# - **one batch**: K = 1 micro-batch of 64 per rank;
+# - **accumulated**: K = 4 micro-batches of 16 per rank: the same global batch, a quarter of the batch in memory;
+# - **small batch**: K = 1 micro-batch of 16 per rank: the same memory as *accumulated*, a quarter of its global batch;
+# - **checkpointed**: *accumulated* with every block checkpointed.
+
+# %%
+RUNS = {"one batch": ["--batch-size", "64"],
+        "accumulated": ["--batch-size", "16", "--accumulate", "4"],
+        "small batch": ["--batch-size", "16"],
+        "checkpointed": ["--batch-size", "16", "--accumulate", "4", "--checkpoint-activations"]}
+for name, extra in RUNS.items():
+    run_lesson("day3/14_accumulation_checkpointing.py", *SIZE, *DEVICE, *PRECISION, *extra,
+               "--run-dir", RUN / name.replace(" ", "-"), nproc=NPROC)
+
+# %%
+m = {name: read_json(RUN / name.replace(" ", "-") / "metrics.json") for name in RUNS}
+show_table([{"run": name, "K": r["accumulate"], "batch per rank": r["batch_size"],
+             "global batch": r["global_batch_size"], "all_reduce rounds per step": r["allreduce_rounds_per_step"],
+             "KB sent per step": r["allreduce_bytes_per_step"] / 1024,
+             "bytes sent per sample": r["allreduce_bytes_per_sample"],
+             "MB kept for backward per micro-batch": r["saved_for_backward_bytes"] / 2 ** 20,
+             "ms per step": r["step_seconds"] * 1000,
+             "training samples/s": r["global_batch_size"] / r["step_seconds"]} for name, r in m.items()])
+
+# %% [markdown]
+# ## Accumulation: the same training, one all_reduce per step
+#
+# *one batch* and *accumulated* see the same 64 x W samples in every step, so their losses should lie on top
+# of each other: the gradients differ only in the order of the sums.
+
+# %%
+import numpy as np
+import torch
+
+from course.output import load_weights
+
+
+def weights(name):
+    w = load_weights(REPO / RUN / name.replace(" ", "-") / "model.pt")
+    return torch.cat([w[k].flatten().float() for k in sorted(w)])
+
+
+fig, ax = plt.subplots()
+for name in ("one batch", "accumulated", "small batch"):
+    ax.plot(range(1, m[name]["steps"] + 1), m[name]["loss_per_step"], label=f"{name} (global batch "
+            f"{m[name]['global_batch_size']})", linestyle="--" if name == "accumulated" else "-")
+ax.set(xlabel="optimizer step", ylabel="training loss (mean over ranks)", title="ViT, lesson 14")
+ax.legend()
+plt.show()
+one, acc, small, ckpt = (m[n] for n in RUNS)
+rel = ((weights("accumulated") - weights("one batch")).norm() / weights("one batch").norm()).item()
+gap = np.abs(np.array(acc["loss_per_step"]) - np.array(one["loss_per_step"])).max()
+md(f"After {acc['steps']} steps the weights of *accumulated* differ from *one batch*'s by {rel:.1e} (relative), "
+   f"the losses by at most {gap:.1e}: the same training. Each step sent "
+   f"{acc['allreduce_rounds_per_step']:g} round of all_reduce in both, {acc['allreduce_bytes_per_step'] / 1024:.1f} KB "
+   f"(every gradient once). Per sample, *accumulated* sent {acc['allreduce_bytes_per_sample']:.0f} bytes and "
+   f"*small batch*, with the same micro-batch in memory, {small['allreduce_bytes_per_sample']:.0f}: "
+   f"{acc['allreduce_bytes_per_sample'] / small['allreduce_bytes_per_sample']:.3g}x, 1/K with K = {acc['accumulate']}.")
+
+# %% [markdown]
+# What accumulation costs: K micro-batches take K times one micro-batch's compute, so a step of *accumulated*
+# takes about as long as K steps of *small batch*. The times are the median time of an optimizer step (the
+# evaluation of the test set at the end left out).
+
+# %%
+speed = {name: r["global_batch_size"] / r["step_seconds"] for name, r in m.items()}
+md(f"A step of *accumulated* took {acc['step_seconds'] * 1000:.0f} ms, one of *small batch* "
+   f"{small['step_seconds'] * 1000:.0f} ms: {acc['step_seconds'] / small['step_seconds']:.1f}x for K = "
+   f"{acc['accumulate']}. Per sample: *accumulated* {speed['accumulated']:.0f} samples/s, *small batch* "
+   f"{speed['small batch']:.0f}, *one batch* {speed['one batch']:.0f} (a larger batch keeps the hardware "
+   f"busier; accumulation gives its gradient, not its speed).")
+
+# %% [markdown]
+# ## Checkpointing: fewer bytes kept, the same numbers
+#
+# The bytes autograd keeps between a micro-batch's forward and its backward (counted with
+# `torch.autograd.graph.saved_tensors_hooks` during the first forward pass; the parameters themselves are not
+# counted). With checkpointing a block keeps only its input.
+
+# %%
+fig, ax = plt.subplots(figsize=(6, 2.2))
+names = ["accumulated", "checkpointed"]
+ax.barh(names, [m[n]["saved_for_backward_bytes"] / 2 ** 20 for n in names], color=["tab:blue", "tab:green"])
+ax.set(xlabel="MB kept for backward per micro-batch of 16", title="ViT, depth 4")
+plt.show()
+same = torch.equal(weights("checkpointed"), weights("accumulated"))
+slower = ckpt["step_seconds"] / acc["step_seconds"]
+md(f"Kept for backward per micro-batch: {acc['saved_for_backward_bytes'] / 2 ** 20:.3f} MB without checkpointing, "
+   f"{ckpt['saved_for_backward_bytes'] / 2 ** 20:.3f} MB with it "
+   f"({ckpt['saved_for_backward_bytes'] / acc['saved_for_backward_bytes']:.2f}x). Weights after "
+   f"{ckpt['steps']} steps equal bit for bit: **{same}**: backward recomputed exactly what forward had computed. "
+   + (f"A checkpointed step took {slower:.2f}x as long: the recompute, about one more forward pass per backward, "
+      f"and checkpoint's own bookkeeping per block, which weighs more the smaller the micro-batch."
+      if slower > 1 else
+      f"A checkpointed step took {slower:.2f}x as long, although it computes more: other programs kept this "
+      f"machine busier during one of the two runs. Time them again on an idle machine.")
+   + (f" CUDA's peak memory: {acc['cuda_peak_bytes'] / 2 ** 20:.1f} MB against {ckpt['cuda_peak_bytes'] / 2 ** 20:.1f} MB."
+      if acc["cuda_peak_bytes"] else ""))
+
+# %% [markdown]
+# ## Try it yourself
+#
+# Solutions, with the commands and what they print: [`solutions/14_accumulation_checkpointing.md`](../solutions/14_accumulation_checkpointing.md).
+#
+# 1. In a copy of the script, replace `model.no_sync() if i < k - 1 else contextlib.nullcontext()` with
+#    `contextlib.nullcontext()` and run `--accumulate 4`: the run prints 4 rounds of all_reduce per
+#    optimizer step instead of 1 and four times the bytes per sample, yet ends with the same weights as the
+#    unchanged script (to float rounding): no_sync saves communication, it does not change the result.
+# 2. `--depth 8` with and without `--checkpoint-activations`: what a micro-batch keeps for backward grows
+#    with the depth without checkpointing, and much more slowly with it (each block keeps only its input),
+#    so the ratio falls below the depth-4 ratio above; the weights stay equal bit for bit.
+# 3. `--precision fp16 --accumulate 4 --overflow-at 3`: rank 1's inf at step 3 reaches every micro-batch
+#    of that step, yet GradScaler looks once per optimizer step: step 3 is skipped once, on both ranks, and
+#    the loss scale halves once (65536 -> 32768).
+#
+# Back to the [course overview](../README.md).
