@@ -611,6 +611,59 @@ def test_15_3_adamw_doubles_the_optimizer_state(tmp_path, dataset):
     assert "measured on the fullest rank: 4.13 MB, over it" in out
 
 
+# ------------------------------------------------------------------------------------------ lesson 16
+
+@pytest.fixture(scope="module")
+def lesson16(tmp_path_factory, dataset):
+    """Exercises 1, 2 and 3 go on in one directory: their commands in order, once (~25 s here)."""
+    tmp = tmp_path_factory.mktemp("solutions16")
+    out = {}
+    for n in (1, 2, 3):
+        out[n] = [run(argv(line, tmp)[0]) for line in commands("16_distributed_checkpoint", n)]
+    return tmp, out
+
+
+def _relative16(a, b) -> float:
+    import torch
+
+    wa, wb = weights(a), weights(b)
+    va, vb = (torch.cat([w[k].flatten() for k in sorted(w)]) for w in (wa, wb))
+    return ((va - vb).norm() / vb.norm()).item()
+
+
+@solution("16_distributed_checkpoint", 1)
+@pytest.mark.slow
+def test_16_1_saved_by_two_ranks_resumed_by_one_process(lesson16):
+    tmp, out = lesson16
+    said = out[1][-1].stdout
+    assert f"[rank 0] resumed from {tmp}/solutions/16-resume/step-000000003 (saved by 2 ranks): step 3" in said
+    assert "[rank 0] steps 4 to 6 (3 steps) in" in said
+    rel = _relative16(tmp / "solutions/16-one/model.pt", tmp / "solutions/16-two/model.pt")
+    assert 0 <= rel < 1e-6, rel  # measured 2.7e-8: float rounding
+
+
+@solution("16_distributed_checkpoint", 2)
+@pytest.mark.slow
+def test_16_2_a_checkpoint_without_its_marker_is_skipped(lesson16):
+    tmp, out = lesson16
+    said = out[2][-1].stdout
+    d = tmp / "solutions/16-resume"
+    assert f"[rank 0] skipping checkpoint {d}/step-000000006 (torn or invalid: no complete.json: never finished)" in said
+    assert f"[rank 0] resumed from {d}/step-000000003 (saved by 2 ranks): step 3" in said
+    assert "[rank 0] steps 4 to 9 (6 steps) in" in said
+    assert sorted(p.name for p in d.iterdir()) == ["step-000000003", "step-000000009"]
+
+
+@solution("16_distributed_checkpoint", 3)
+@pytest.mark.slow
+def test_16_3_a_finished_run_leaves_nothing_to_train(lesson16):
+    tmp, out = lesson16
+    (done,) = out[3]
+    assert done.returncode == 0 and done.stdout.strip().splitlines() == [
+        f"nothing to train: the newest checkpoint in {tmp}/solutions/16-resume is at step 9 (epoch 0) and this run "
+        f"ends at --max-steps 9; raise it to train on, or --export the checkpoint"], done.stdout
+
+
 # ------------------------------------------------------------------------------------------ lesson 17
 
 @solution("17_debugging_hangs", 1)
