@@ -109,12 +109,12 @@ class _Gpu:
             return
         props = torch.cuda.get_device_properties(device)
         try:
-            index = nvml_index(pynvml, props.uuid)
+            index = nvml_index(pynvml, props.uuid) if hasattr(props, "uuid") else None
         except pynvml.NVMLError as e:
             index, self.note = None, f"NVML could not list the GPUs ({e}): no GPU numbers"
         if index is None:
-            self.note = self.note or (f"no GPU with {device}'s UUID {props.uuid} in NVML (a MIG slice?): "
-                                      "no GPU numbers")
+            self.note = self.note or (f"no GPU with {device}'s UUID {getattr(props, 'uuid', '?')} in NVML "
+                                      "(a MIG slice?): no GPU numbers")
             pynvml.nvmlShutdown()
             return
         self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
