@@ -220,6 +220,19 @@ def test_a_rank_samples_its_own_gpu_and_stops(fake_gpu, tmp_path, capsys):
     assert monitor.stop() is summary  # a second stop does nothing
 
 
+def test_a_gpu_nvml_does_not_list_gives_a_note(fake_gpu, tmp_path, capsys, monkeypatch):
+    import torch
+
+    from course.monitor import Monitor
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(
+        name="Fake GPU", uuid=TorchUuid("0f3a1c52-0000-4000-8000-0000000000ff")))  # e.g. a MIG slice
+    summary = Monitor(0, 1, torch.device("cuda", 0), 0.02, tmp_path / "r.json", tmp_path / "tb").start().stop()
+    assert summary["gpu"]["note"].startswith("no GPU with cuda:0's UUID 0f3a1c52-0000-4000-8000-0000000000ff")
+    assert "util_percent_mean" not in summary["gpu"] and summary["rss_mb_max"] > 0
+    assert fake_gpu == ["init", "shutdown"]
+    assert "] hardware, 1 sample in " in capsys.readouterr().out
+
+
 def test_a_failing_rank_exits_at_once(tmp_path):
     code = ("import torch, time; from course.monitor import Monitor; "
             f"Monitor(0, 1, torch.device('cpu'), 0.05, {str(tmp_path / 'r.json')!r}, {str(tmp_path)!r}).start(); "
