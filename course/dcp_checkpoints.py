@@ -72,8 +72,12 @@ def publish(tmp: Path, info: dict, keep: int) -> Path:
         shutil.rmtree(final)
     os.replace(tmp, final)  # atomic: readers see the previous checkpoints, or these and the new one
     _fsync_dir(final.parent)
-    for old in final_dirs(final.parent)[keep:]:  # the newest `keep`: one more in case the newest is damaged
-        shutil.rmtree(old, ignore_errors=True)
+    # the newest `keep` complete ones (one more in case the newest is damaged later); a damaged one older
+    # than this one can never be loaded again
+    complete = [d for d in final_dirs(final.parent) if damage(d) is None]
+    for old in final_dirs(final.parent):
+        if old in complete[keep:] or (old not in complete and old.name < final.name):
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
