@@ -13,7 +13,10 @@ path and the memory-copy limit), hdf5 (lesson 11's chunked streaming, cold and w
 (per-step gradient synchronization at world size 2: lesson 4 by hand vs torch DDP vs gloo's bandwidth),
 train (1 process x all cores vs 2 ranks x 1 thread; one GPU when CUDA is present), startup (launch and
 process-group init for 2 and 4 ranks, per launcher), precision (lesson 13's ViT step in fp32, bf16, fp16),
-fsdp (lesson 15's FSDP2 against DDP at 2 and 4 ranks: bytes per rank and step time).
+accumulation (lesson 14: all_reduce bytes and time per sample at K = 1, 2, 4 micro-batches; checkpointing's
+bytes kept for backward and step time),
+fsdp (lesson 15's FSDP2 against DDP at 2 and 4 ranks: bytes per rank and step time), dcp (lesson 16's
+distributed checkpoints against torch.save on rank 0: save and load MB/s, the save's stall per step).
 """
 import os
 import platform
@@ -93,10 +96,10 @@ def run(args):
             "size": "smoke" if args.smoke else "large" if args.large else "default"}
     print(meta_line(meta), flush=True)
 
-    from benchmarks import fsdp, grad_sync, hdf5_stream, input_pipeline, precision, startup, training
+    from benchmarks import accumulation, dcp, fsdp, grad_sync, hdf5_stream, input_pipeline, precision, startup, training
 
     modules = {"input": input_pipeline, "hdf5": hdf5_stream, "sync": grad_sync, "train": training,
-               "startup": startup, "precision": precision, "fsdp": fsdp}
+               "startup": startup, "precision": precision, "accumulation": accumulation, "fsdp": fsdp, "dcp": dcp}
     rows, seconds = [], {}
     for name in args.sections:
         start = time.perf_counter()
