@@ -36,14 +36,16 @@ def _storage(t: torch.Tensor):
 
 class Meter:
     def __init__(self, model, device, checkpointed: bool, blocks=None):
-        """`model`: the DDP-wrapped model (its hook is registered here, before any backward pass);
-        `checkpointed`: whether `blocks` (default: model.module.blocks) run under checkpoint."""
+        """`model`: the DDP-wrapped model (its hook is registered here, before any backward pass), or a plain
+        one (nothing sent: only the bytes kept for backward are counted); `checkpointed`: whether `blocks`
+        (default: the model's .blocks) run under checkpoint."""
         self.device, self.checkpointed = device, checkpointed
         self.comm = {"calls": 0, "rounds": 0, "bytes": 0}
-        model.register_comm_hook(self.comm, _counting_allreduce)
+        if hasattr(model, "register_comm_hook"):
+            model.register_comm_hook(self.comm, _counting_allreduce)
         self.parameters = {_storage(p)[0] for p in model.parameters()}
         self.saved, self.counted, self.counting, self.times = {}, False, False, []
-        for block in blocks if blocks is not None else model.module.blocks:
+        for block in blocks if blocks is not None else getattr(model, "module", model).blocks:
             block.register_forward_pre_hook(self._block_input)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
