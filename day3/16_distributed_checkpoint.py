@@ -2,7 +2,7 @@
 another world size.
 
     python day3/16_distributed_checkpoint.py --nproc 4 --quick --max-steps 20 --checkpoint-every 10
-    python day3/16_distributed_checkpoint.py --nproc 2 --quick --max-steps 40 --resume    (4 ranks -> 2)
+    python day3/16_distributed_checkpoint.py --nproc 2 --batch-size 128 --quick --max-steps 40 --resume  (4 -> 2)
     torchrun --nproc_per_node=4 day3/16_distributed_checkpoint.py --async-save --checkpoint-every 5
     python day3/16_distributed_checkpoint.py --export model.pt    (one process: one ordinary file)
 
