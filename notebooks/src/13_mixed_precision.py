@@ -154,4 +154,4 @@ md(f"Skipped steps: {o['skipped_steps']}. "
 # 3. `--precision fp16 --overflow-at 1 --overflow-rank 0`: the very first step is skipped on both ranks, and
 #    the loss scale goes from 65536 to 32768 before any weight has changed.
 #
-# This is the last lesson so far: back to the [course overview](../README.md).
+# Next: [lesson 14](14_accumulation_checkpointing.ipynb): gradient accumulation and activation checkpointing.

@@ -165,4 +165,4 @@ md(f"Kept for backward per micro-batch: {acc['saved_for_backward_bytes'] / 2 ** 
 #    of that step, yet GradScaler looks once per optimizer step: step 3 is skipped once, on both ranks, and
 #    the loss scale halves once (65536 -> 32768).
 #
-# Back to the [course overview](../README.md).
+# Next: [lesson 15](15_fsdp2.ipynb): sharding with FSDP2.

@@ -184,4 +184,4 @@ except subprocess.CalledProcessError as e:
 #    MB, over the 4 MB budget that the check before the run (which counts SGD's one state per parameter)
 #    let through, and DDP's replica would be 8.24 MB.
 #
-# Back to the [course overview](../README.md).
+# Next: [lesson 16](16_distributed_checkpoint.ipynb): distributed checkpoints.

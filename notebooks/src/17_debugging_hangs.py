@@ -151,3 +151,5 @@ md(f"Exit code {code} after {seconds:.1f} s. Rank 1's last collective: **{one.gr
 # 3. Run the fingerprint check on plain collectives: `TORCH_DISTRIBUTED_DEBUG=DETAIL python
 #    solutions/17_detail.py` (two ranks all_reduce 4 and 5 numbers). Expect both ranks to fail within a
 #    fraction of a second, each naming `TensorShape=[4]` and `TensorShape=[5]`.
+#
+# This is the course's last lesson: back to the [course overview](../README.md).
