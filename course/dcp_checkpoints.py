@@ -6,7 +6,8 @@ lesson 16's idea and stays in the lesson; this module is the file plumbing aroun
   (.step-NNNNNNNNN.TOKEN.tmp/); publish() (rank 0, once every rank's files and DCP's .metadata are written)
   writes complete.json LAST (the run's settings, the position in training, every file's size), flushes it
   to the disk and renames the directory into place: a crash before that leaves a temporary directory that
-  no run ever loads;
+  no run ever loads; it then keeps the newest --keep complete checkpoints and removes damaged ones older
+  than the new one;
 - newest(): the newest published checkpoint whose complete.json lists files that are all there with their
   sizes (a file cut short by a full disk or a copy is caught); damaged or unfinished ones are reported and
   skipped;

@@ -60,6 +60,10 @@ def test_smoke_run_writes_csv_table_and_plot_with_finite_ratios(dataset, tmp_pat
             assert f"{model}, 2 ranks: step with {variant}" in names
     for launcher in ("self (fork server)", "self (spawn)", "torchrun"):
         assert f"{launcher}, 2 ranks: init_process_group + first barrier" in names
+    for w in (2, 4):  # lesson 16's checkpoints against one file from rank 0, and the two kinds of save's stall
+        for measured in ("save, dcp.save (every rank its shards)", "load, dcp.load (every rank its rows)",
+                         "stall per step, dcp.save after every step", "stall per step, dcp.async_save after every step"):
+            assert f"vit w32 d2, {w} ranks: {measured}" in names
 
     png = (tmp_path / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
