@@ -14,6 +14,8 @@ What is checked:
   in a process that sees no GPU;
 - lesson 5's trace records the GPU's kernels;
 - lesson 12 stopped by a signal and resumed on the GPU equals the run that was never stopped, bit for bit;
+- lesson 16's checkpoint saved on the GPU (async, NCCL) resumes there and on 2 CPU ranks (within
+  SAME_KERNELS and CPU_VS_GPU); its export, read without a GPU, holds the GPU run's weights;
 - the benchmark's GPU rows run, and its graphed epoch computes the plain loop's weights.
 """
 import csv
@@ -136,6 +138,32 @@ def test_lesson12_stopped_and_resumed_on_the_gpu_equals_the_uninterrupted_run(gp
     out = on_gpu([*args, "--run-dir", tmp_path / "stopped"]).stdout
     assert f": step {stop}" in out and "resuming from" in out, out
     assert_bitwise_equal(tmp_path / "stopped", tmp_path / "reference")
+
+
+def test_lesson16_checkpoint_saved_on_the_gpu_resumes_there_and_on_the_cpu(gpus, dataset, tmp_path):
+    """Lesson 16 with NCCL, one rank per GPU, async saves (their own gloo group) at steps 3 and 6: resumed
+    from step 3 on the GPU it ends where the uninterrupted run ends (SAME_KERNELS); resumed by 2 CPU ranks
+    (gloo, other kernels) within CPU_VS_GPU; the export, in a process that sees no GPU, holds the GPU run's
+    weights bit for bit."""
+    import shutil
+
+    args = [PYTHON, REPO / "day3" / "16_distributed_checkpoint.py", "--train-samples", "640", "--seed", "5",
+            "--lr", "0.5", "--width", "32", "--depth", "2", "--heads", "2", "--max-steps", "6",
+            "--checkpoint-every", "3", "--loader", "memory"]
+    on_gpu([*args, "--nproc", gpus, "--batch-size", str(64 // gpus), "--async-save", "--run-dir", tmp_path / "gpu"])
+    for name, extra, env in (("gpu-resumed", ["--nproc", gpus, "--batch-size", str(64 // gpus)], GPU_ENV),
+                             ("cpu-resumed", ["--nproc", "2", "--batch-size", "32", "--device", "cpu"], None)):
+        (tmp_path / name / "checkpoints").mkdir(parents=True)
+        shutil.copytree(tmp_path / "gpu/checkpoints/step-000000003", tmp_path / name / "checkpoints/step-000000003")
+        out = run([*args, *extra, "--resume", "--run-dir", tmp_path / name], env=env).stdout
+        assert "step 3" in out and "steps 4 to 6 (3 steps)" in out, out
+    gpu = load_weights(tmp_path / "gpu/model.pt")
+    # same GPU, same world size: equal unless a CUDA kernel (attention's backward) adds in varying order
+    assert max_rel_diff(load_weights(tmp_path / "gpu-resumed/model.pt"), gpu) <= SAME_KERNELS
+    assert max_rel_diff(load_weights(tmp_path / "cpu-resumed/model.pt"), gpu) <= CPU_VS_GPU
+    run([*args[:2], "--export", tmp_path / "export.pt", "--checkpoint-dir", tmp_path / "gpu/checkpoints"])
+    exported = load_weights(tmp_path / "export.pt")
+    assert all((exported[k] == gpu[k]).all() for k in gpu)
 
 
 def test_benchmark_gpu_rows(gpus, dataset, tmp_path):
