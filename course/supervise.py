@@ -11,6 +11,7 @@ import importlib
 import os
 import signal
 import sys
+import time
 from contextlib import contextmanager
 
 import torch
@@ -83,7 +84,12 @@ def _end_within(seconds: int) -> None:
 
 
 def _signal_all(pids, signum) -> None:
-    for pid in pids:
+    for i, pid in enumerate(pids):
+        if signum == signal.SIGUSR1 and i:
+            # A rank that prints its stacks on SIGUSR1 (faulthandler, lesson 17) writes them in many small
+            # pieces: ranks signalled at the same moment interleave them character by character in the
+            # shared terminal.  A quarter of a second apart, each rank's stacks come out whole.
+            time.sleep(0.25)
         try:
             os.kill(pid, signum)
         except ProcessLookupError:  # that rank has already ended
