@@ -147,7 +147,7 @@ def failures_as_one_line(rank: int):
     try:
         yield
     except (CourseError, DataError) as e:
-        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+        _say(f"[rank {rank}] error: {e}")
         sys.exit(1)
     except RuntimeError as e:  # gloo/NCCL/store failures
         if not _communication_error(e):
@@ -160,7 +160,7 @@ def failures_as_one_line(rank: int):
             what = (f"the process group could not be set up with rank 0 at {os.environ.get('MASTER_ADDR')}:"
                     f"{os.environ.get('MASTER_PORT')} within --timeout; check MASTER_ADDR/MASTER_PORT and that "
                     f"every rank was started with the same world size")
-        print(f"[rank {rank}] error: {what} ({type(e).__name__}: {first})", file=sys.stderr, flush=True)
+        _say(f"[rank {rank}] error: {what} ({type(e).__name__}: {first})")
         sys.exit(1)
 
 
@@ -169,3 +169,10 @@ def _communication_error(e: RuntimeError) -> bool:
     text = str(e)
     return isinstance(e, torch.distributed.DistError) or any(
         marker in text for marker in ("gloo/transport", "Gloo connectFullMesh", "ProcessGroupNCCL", "NCCL error"))
+
+
+def _say(line: str) -> None:
+    """One line on stderr in one write.  print() writes the text and its newline separately, and stderr is not
+    buffered: two ranks failing at the same moment then end up on one line ("...rank_[rank 0] error: ...")."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -62,6 +62,7 @@ def test_a_barrier_against_an_all_reduce_names_both_ranks_and_both_collectives(r
     assert proc.returncode != 0 and seconds <= BOUND_S, (proc.returncode, seconds, proc.stderr)
     lines = rank_lines(proc)
     # rank 0 always reports (it hosts the store); rank 1 may be stopped by the launcher once rank 0 has failed
+    assert 0 in lines, proc.stderr
     zero = lines[0]
     assert re.search(r"rank 0 waited [\d.]+ s in barrier #(\d+) \(no tensor, issued at 17_debugging_hangs.py:\d+\) "
                      r"and stopped: timed out", zero), zero
