@@ -150,6 +150,39 @@ md(f"Kept for backward per micro-batch: {acc['saved_for_backward_bytes'] / 2 ** 
       if acc["cuda_peak_bytes"] else ""))
 
 # %% [markdown]
+# ## Watching the hardware while it trains
+#
+# The training lessons from 6 on take `--watch-hardware`: each rank samples its own process (CPU %, RSS)
+# and, on a GPU, its own GPU through NVML (utilization, memory, power), into `RUN_DIR/hardware/rank{r}.json`
+# and TensorBoard; [the guide](../docs/learners/monitoring.md) says how to watch a job on a cluster too.
+# The checkpointed configuration once more, each rank sampled every 0.1 s:
+
+# %%
+WATCHED = RUN / "watched"
+run_lesson("day3/14_accumulation_checkpointing.py", *SIZE, *DEVICE, *PRECISION, *RUNS["checkpointed"],
+           "--watch-hardware", "--watch-interval", "0.1", "--run-dir", WATCHED, nproc=NPROC)
+hw = [read_json(p) for p in sorted((REPO / WATCHED / "hardware").glob("rank*.json"))]
+fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(6, 4))
+for h in hw:
+    t = [s["t"] for s in h["samples"]]
+    top.plot(t, [s["cpu_percent"] for s in h["samples"]], label=f"rank {h['rank']}")
+    bottom.plot(t, [s["step"] for s in h["samples"]], label=f"rank {h['rank']}")
+top.set(ylabel="CPU % (100: one core)", title="checkpointed, watched")
+bottom.set(xlabel="seconds since the rank started its loop", ylabel="optimizer steps done")
+top.legend()
+plt.show()
+summaries = [h["summary"] for h in hw]
+md(f"{len(hw)} ranks, {summaries[0]['samples']} samples each over {summaries[0]['seconds']:.1f} s: each "
+   f"rank used on average " + ", ".join(f"{s['cpu_percent_mean']:.0f}%" for s in summaries)
+   + f" of a core ({summaries[0]['torch_threads']} torch thread per rank), and held at most "
+   + ", ".join(f"{s['rss_mb_max']:.0f}" for s in summaries)
+   + f" MB of RAM (RSS): torch's libraries and the in-memory dataset, mostly. The "
+   f"{(acc['saved_for_backward_bytes'] - ckpt['saved_for_backward_bytes']) / 2 ** 20:.1f} MB per micro-batch "
+   f"that checkpointing saves are lost in that at this size; on a GPU the line adds torch's own peak "
+   f"(`max_memory_allocated`), where they show. The steps rise together on every rank: in a hung job "
+   f"(lesson 17) they stay flat and the CPU % of the waiting ranks drops.")
+
+# %% [markdown]
 # ## Try it yourself
 #
 # Solutions, with the commands and what they print: [`solutions/14_accumulation_checkpointing.md`](../solutions/14_accumulation_checkpointing.md).
