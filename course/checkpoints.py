@@ -38,14 +38,19 @@ def save(directory: Path, step: int, state: dict, keep: int) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # and the rename itself survives a crash of the node
-    finally:
-        os.close(fd)
+    fsync_dir(directory)  # and the rename itself survives a crash of the node
     for old in files(directory)[keep:]:  # the newest `keep`: one more in case the newest is damaged
         old.unlink(missing_ok=True)
     return final
+
+
+def fsync_dir(directory: Path) -> None:
+    """Flush a directory's entries (names created or renamed in it) to the disk."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def newest_valid(directory: Path, rank: int = 0, fresh: bool = False):

@@ -24,20 +24,14 @@ import shutil
 import warnings
 from pathlib import Path
 
+from course.checkpoints import fsync_dir
+
 MARKER = "complete.json"
 FORMAT = "16_distributed_checkpoint/1"
 # A checkpoint belongs to one model: these must agree to load it (DCP reshards, it does not reshape)
 MODEL = ("model", "patch", "width", "depth", "heads")
 # and to one training run: the same global batches in the same order
 RUN = ("dataset", "lr", "seed", "train_samples", "clip_grad_norm", "precision")
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def final_dirs(directory: Path) -> list:
@@ -67,12 +61,12 @@ def publish(tmp: Path, info: dict, keep: int) -> Path:
         json.dump({"format": FORMAT, **info, "files": files}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())  # DCP's own files were fsynced by each rank (FileSystemWriter, sync_files=True)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     final = tmp.parent / tmp.name.split(".")[1]  # .step-000000006.TOKEN.tmp -> step-000000006
     if final.exists():  # a damaged one of an earlier run at the same step (newest() skipped it)
         shutil.rmtree(final)
     os.replace(tmp, final)  # atomic: readers see the previous checkpoints, or these and the new one
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     # the newest `keep` complete ones (one more in case the newest is damaged later); a damaged one older
     # than this one can never be loaded again
     complete = [d for d in final_dirs(final.parent) if damage(d) is None]
