@@ -86,7 +86,7 @@ class Meter:
     def summary(self, steps: int, samples_per_step: int) -> dict:
         """The counts as metrics.json keys: per optimizer step and per sample of the global batch."""
         c = self.comm
-        out = {"allreduce_calls": c["calls"], "allreduce_rounds": c["rounds"], "allreduce_bytes": c["bytes"],
+        return {"allreduce_calls": c["calls"], "allreduce_rounds": c["rounds"], "allreduce_bytes": c["bytes"],
                "allreduce_calls_per_step": c["calls"] / steps, "allreduce_rounds_per_step": c["rounds"] / steps,
                "allreduce_bytes_per_step": c["bytes"] / steps,
                "allreduce_bytes_per_sample": c["bytes"] / (steps * samples_per_step),
@@ -95,7 +95,6 @@ class Meter:
                if len(self.times) > 1 else None,
                "cuda_peak_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
                else None}
-        return out
 
 
 def _counting_allreduce(state: dict, bucket):
@@ -121,10 +120,10 @@ def describe(m: dict, accumulate: int, checkpointing: bool) -> str:
 def check_args(args) -> None:
     """One clear line, before any rank starts, if one optimizer step needs more batches than a rank's shard
     holds (it would never step)."""
-    from course.cli import QUICK_TRAIN_SAMPLES, CourseError
+    from course.cli import CourseError
     from course.memory import world_size_of
 
-    samples = args.train_samples or (QUICK_TRAIN_SAMPLES if args.quick else 60_000)
+    samples = args.train_samples or 60_000  # --quick has set train_samples already (cli.parse)
     world_size = world_size_of(args)
     shard = math.ceil(samples / world_size)
     batches = math.ceil(shard / args.batch_size)
