@@ -34,7 +34,7 @@ BATCH = 64
 # Lesson 11's input pipeline, as its training loop builds it (day2/11_mnist_ddp_pt_multinode_streaming.py
 # has no function for it to import): keep the two in step.
 def stream_epoch(chunks, dataset: str, epoch: int = 0, batch_size: int = BATCH) -> int:
-    sampler = h5stream.ChunkShardSampler(chunks.num_samples, chunks.chunk_samples, rank=0, world_size=1, seed=0)
+    sampler = h5stream.ChunkShardSampler(len(chunks), rank=0, world_size=1, seed=0)
     sampler.set_epoch(epoch)
     loader = DataLoader(chunks, sampler=sampler, batch_size=None, num_workers=0)
     n = 0

@@ -1,7 +1,8 @@
 """Streaming the chunked HDF5 file (data_tools/h5layout.py) across ranks: the chunk datasets lesson 11 reads.
 
 Lesson 11 itself deals the chunks to the ranks (its ChunkShardSampler) and cuts them into batches (its
-rebatch); this module reads them: H5Chunks from the file, MemoryChunks from memory, H5TestSet whole.
+rebatch); this module reads them: H5Chunks from the file, MemoryChunks from memory, H5TestSet whole
+(open_chunks picks the source for the lesson).
 
 How an epoch is read, and why:
 1. The unit of work is one chunk, not one sample.  HDF5 reads (and decompresses) whole chunks, so reading
@@ -21,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_tools.datasets import spec
-from data_tools.h5layout import H5LayoutError, read_layout
+from data_tools.datasets import DataError, load_split, spec
+from data_tools.h5layout import H5LayoutError, add_h5_args, read_layout, require_h5  # noqa: F401 (lesson 11's)
 
 
 # ----------------------------------------------------------------------------------------- order
@@ -176,3 +177,21 @@ class H5TestSet:
         if isinstance(index, list):
             index = torch.as_tensor(index, device=self.labels.device)
         return self.images[index], self.labels[index]
+
+
+def open_chunks(args, world_size: int, device):
+    """Lesson 11's data: (the training chunks, the test set read whole, the file's layout).  The chunks come
+    from the file (--source h5; opened on the first read, by the process that reads) or, the same chunks in
+    the same order, from memory (--source memory).  Fewer chunks than ranks is one line: a rank without a
+    chunk would have nothing to train on."""
+    layout = read_layout(args.h5_file)
+    if args.source == "h5":
+        chunks = H5Chunks(args.h5_file, "train", limit=args.train_samples or 0)
+    else:
+        images, labels = load_split(layout.dataset, "train", args.data_dir)
+        chunks = MemoryChunks(images, labels, layout.chunk_samples, limit=args.train_samples or 0)
+    if len(chunks) < world_size:
+        raise DataError(f"{chunks.num_samples} samples in chunks of {layout.chunk_samples} are only "
+                        f"{len(chunks)} chunks for {world_size} ranks; use more --train-samples or a file "
+                        f"with smaller chunks (data_tools/create_mnist_h5.py --chunk-samples N)")
+    return chunks, H5TestSet(args.h5_file, "test", device), layout

@@ -18,7 +18,7 @@ two nodes train exactly like W ranks on one (they end with the same weights).  W
 - local rank 0 of each node is the one for per-node work (here a line per node; on a real cluster e.g.
   copying the data to the node's local disk once).
 Ranks come from srun or torchrun, read as lesson 9 showed.  Started with plain python, it says how to launch.
---batch-size is per rank; --loader as in lesson 6.
+--batch-size is per rank; the data comes through a DataLoader, as in lesson 6 (without --loader memory).
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import socket
@@ -42,7 +42,7 @@ from course.launch import backend_for, launch, require_launcher, setup_device
 from course.models import build_model
 from course.output import rank_print
 from course.profiling import add_profile_args, maybe_profile
-from data_tools.datasets import InMemoryMNIST, batches, require
+from data_tools.datasets import InMemoryMNIST, require
 
 
 def worker(info, args):
@@ -71,10 +71,7 @@ def worker(info, args):
 
     # DDP: rank r gets every W-th index of the epoch's shuffled order; padded so all shards are equal
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-    if args.loader == "dataloader":  # the loop to write for your own dataset
-        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
-    else:  # the same batches, each gathered from the in-memory tensors at once (data_tools/datasets.py)
-        loader = batches(train_set, sampler, args.batch_size)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)  # lesson 6's loop
     prof = maybe_profile(args, rank, device)  # --profile: lesson 5's traces and TensorBoard scalars
     losses, step, start = [], 0, time.perf_counter()
     for epoch in range(args.epochs):
@@ -111,7 +108,7 @@ def worker(info, args):
 
 
 def build_parser():
-    p = cli.add_loader(cli.add_distributed(cli.parser(__doc__, "day2/10_mnist_ddp_pt_multinode.py")))
+    p = cli.add_distributed(cli.parser(__doc__, "day2/10_mnist_ddp_pt_multinode.py"))
     p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0,
                    help="DDP's gradient bucket size in MB (the MLP's gradients are 0.4 MB: one bucket)")
     return add_profile_args(p)

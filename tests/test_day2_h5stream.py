@@ -30,7 +30,7 @@ def epoch_per_rank(path, chunk, world_size, epoch, limit=0, batch_size=64, worke
     out = []
     for rank in range(world_size):
         chunks = H5Chunks(path, "train", limit=limit)
-        sampler = ChunkShardSampler(chunks.num_samples, chunk, rank, world_size, seed=seed)
+        sampler = ChunkShardSampler(len(chunks), rank, world_size, seed=seed)
         sampler.set_epoch(epoch)
         loader = DataLoader(chunks, sampler=sampler, batch_size=None, num_workers=workers)
         batches = list(rebatch(loader, batch_size))
@@ -64,7 +64,7 @@ def test_each_epoch_yields_the_training_set_once_by_index_and_by_bytes(mnist_h5,
 def test_samples_are_shuffled_within_chunks_the_same_way_from_memory(mnist_h5, source):
     h5 = H5Chunks(mnist_h5.path, "train")
     memory = MemoryChunks(*(torch.from_numpy(a) for a in source), chunk_samples=mnist_h5.chunk)
-    sampler = ChunkShardSampler(h5.num_samples, mnist_h5.chunk, rank=1, world_size=2, seed=5)
+    sampler = ChunkShardSampler(len(h5), rank=1, world_size=2, seed=5)
     for task in list(sampler)[:3]:
         from_file, from_memory = h5[task], memory[task]
         for a, b in zip(from_file, from_memory):
@@ -75,14 +75,17 @@ def test_samples_are_shuffled_within_chunks_the_same_way_from_memory(mnist_h5, s
 
 
 def test_the_chunk_order_is_the_same_on_every_rank_and_deals_round_robin():
-    samplers = [ChunkShardSampler(6500, 700, rank, 3, seed=5) for rank in range(3)]
+    samplers = [ChunkShardSampler(10, rank, 3, seed=5) for rank in range(3)]  # 10 chunks, e.g. 6500 in 700s
+    orders = []
     for epoch in (0, 1):
         for s in samplers:
             s.set_epoch(epoch)
-        order = samplers[0].chunk_order()
-        assert all(s.chunk_order() == order for s in samplers)
-        assert [s.my_chunks() for s in samplers] == [order[0::3], order[1::3], order[2::3]]
-        assert sum(s.num_rank_samples() for s in samplers) == 6500  # 9 x 700 + 200: uneven, not padded
+        dealt = [s.my_chunks() for s in samplers]
+        order = [c for i in range(4) for d in dealt for c in d[i:i + 1]]  # read back in the order dealt
+        assert sorted(order) == list(range(10))  # every chunk to exactly one rank (one order, dealt): not padded
+        assert [s.my_chunks() for s in samplers] == dealt  # the same again: a pure function of seed and epoch
+        orders.append(order)
+    assert orders[0] != orders[1]  # a new order each epoch
     assert [len(s) for s in samplers] == [4, 3, 3]
 
 
@@ -96,7 +99,7 @@ def test_reads_are_whole_chunks_aligned_to_the_file(mnist_h5, monkeypatch):
 
     monkeypatch.setattr(h5py.Dataset, "__getitem__", recording)
     chunks = H5Chunks(mnist_h5.path, "train")
-    sampler = ChunkShardSampler(chunks.num_samples, mnist_h5.chunk, rank=1, world_size=3, seed=5)
+    sampler = ChunkShardSampler(len(chunks), rank=1, world_size=3, seed=5)
     for _ in rebatch(DataLoader(chunks, sampler=sampler, batch_size=None), 64):
         pass
     expected = [("/train/labels", slice(None, 60_000))]  # the labels (1 byte each): once, whole, on open
@@ -120,7 +123,7 @@ def test_the_file_is_opened_lazily_by_each_reading_process(mnist_h5, source):
     chunks[(0, None)]  # the parent opens it too (as a rank with --workers 0 would)
     assert chunks._file is not None
     assert pickle.loads(pickle.dumps(chunks))._file is None  # a worker never receives an open handle
-    sampler = ChunkShardSampler(chunks.num_samples, mnist_h5.chunk, 0, 1, seed=5)
+    sampler = ChunkShardSampler(len(chunks), 0, 1, seed=5)
     # fork: the workers inherit the parent's open handle, and must not use it
     loader = DataLoader(chunks, sampler=sampler, batch_size=None, num_workers=2, multiprocessing_context="fork")
     pids = set()
