@@ -1,4 +1,5 @@
-"""Day 3's precision flag: the dtypes of `--precision`, and its check before any rank starts.
+"""Day 3's precision flag: the dtypes of `--precision`, and its check before any rank starts; lesson 13's
+--compile: its check and the warm-up that compiles before training.
 
 Asking autocast for a dtype the device cannot compute in does not fail: autocast warns and runs in fp32
 (CPU builds before torch 2.2 had no fp16 autocast; GPUs before Ampere have no bf16).  A run that says
@@ -19,7 +20,13 @@ def device_type(args) -> str:
 
 
 def check_precision(args) -> None:
-    """One clear line, before any rank starts, if autocast cannot compute in --precision on this device."""
+    """One clear line, before any rank starts, if autocast cannot compute in --precision on this device, or if
+    --compile meets a DDP bucket smaller than torch.compile's DDP graph splitting allows."""
+    first = torch.distributed._DEFAULT_FIRST_BUCKET_BYTES / 2**20  # DDP's first bucket (its "MB" are MiB): 1
+    if getattr(args, "compile", False) and args.bucket_cap_mb < first:
+        raise CourseError(f"--compile with --bucket-cap-mb {args.bucket_cap_mb:g}: compiled DDP splits the graph "
+                          f"at buckets of at least DDP's first bucket ({first:g} MB); use --bucket-cap-mb "
+                          f"{first:g} or more")
     device = device_type(args)
     if args.precision == "fp32" or (device == "cuda" and not torch.cuda.is_available()):
         return  # --device cuda without a GPU: course/devices.py's setup_device says so in its own words
@@ -35,3 +42,30 @@ def check_precision(args) -> None:
         other = "fp16" if args.precision == "bf16" else "bf16"
         raise CourseError(f"--precision {args.precision}: this {device} has no {args.precision} autocast "
                           f"({problems[0]}); use --precision {other} or fp32")
+
+
+def warm_up(model, train_set, args, dtype) -> float:
+    """--compile: run the compiled model's first forward and backward before training, so that the lesson's
+    clock measures training, not compiling.  Every rank calls it (backward all_reduces through DDP).
+
+    One batch of the training set's shape, under the autocast the loop uses (dynamo compiles for that
+    autocast state), forward and backward, then the gradients are thrown away: no optimizer step, so the
+    weights, the momentum and the data order are those of the uncompiled run.  A later batch of another shape
+    (an epoch's short last batch) compiles once more, inside the timing.  Rank 0 prints how long it took;
+    returns the seconds."""
+    import time
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    start = time.perf_counter()
+    x, y = train_set[list(range(args.batch_size))]
+    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - start
+    if dist.get_rank() == 0:
+        print(f"[rank 0] compiled the forward and backward pass in {seconds:.1f} s (before training, not in its "
+              f"timing); TORCH_LOGS=ddp_graphs shows where DDP split the graph", flush=True)
+    return seconds

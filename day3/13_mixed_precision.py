@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli
+from course import cli, precision, replicas
 from course.evaluate import evaluate
 from course.launch import backend_for, launch, setup_device
 from course.models import add_vit_args, check_vit_args, model_from_args
@@ -60,6 +60,9 @@ def worker(info, args):
                 bucket_cap_mb=args.bucket_cap_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     dtype = DTYPES[args.precision]
+    if args.compile:  # after DDP wraps it: dynamo splits the graph at DDP's buckets, whose all_reduces overlap
+        model = torch.compile(model)  # compiles on its first forward and backward: warm_up runs them, untimed
+        precision.warm_up(model, train_set, args, dtype)  # rank 0 says how long compiling took
     # only fp16 needs loss scaling; disabled, scale() and unscale_() do nothing and step() just steps
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
 
@@ -106,10 +109,7 @@ def worker(info, args):
     rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch), "
                      f"{len(skipped)} skipped {skipped}")
 
-    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-    everyone = [torch.empty_like(weights) for _ in range(world_size)]
-    dist.all_gather(everyone, weights)  # DIST: every rank's weights, to check that they are still identical
-    identical = all(torch.allclose(w, everyone[0], rtol=0, atol=0, equal_nan=True) for w in everyone)
+    identical = replicas.identical_on_all_ranks(model.parameters())  # DIST: all_gathers every rank's weights
     losses = torch.stack(losses)
     dist.all_reduce(losses)  # DIST: the loss of each global batch, averaged over ranks (one call at the end)
     losses = (losses / world_size).tolist()
@@ -141,10 +141,11 @@ def build_parser():
     p.add_argument("--precision", default="bf16", choices=sorted(DTYPES),
                    help="the dtype of autocast's matrix products; fp16 adds GradScaler")
     p.add_argument("--clip-grad-norm", type=cli.positive_float, default=1.0,
-                   help="clip the gradients' total norm to this (after unscale_)")
+                   help="clip the gradients' total norm to this")
     p.add_argument("--overflow-at", type=cli.positive_int, default=None, metavar="STEP",
                    help="multiply one rank's loss by inf at this step, to watch every rank skip it (fp16)")
     p.add_argument("--overflow-rank", type=cli.non_negative_int, default=1, help="the rank of --overflow-at")
+    p.add_argument("--compile", action="store_true", help="torch.compile the DDP model (compiled before training)")
     return add_profile_args(add_vit_args(p))
 
 

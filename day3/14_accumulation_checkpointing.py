@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import accumulation, cli
+from course import accumulation, cli, replicas
 from course.evaluate import evaluate
 from course.launch import backend_for, launch, setup_device
 from course.models import add_vit_args, check_vit_args, model_from_args
@@ -129,10 +129,7 @@ def worker(info, args):
     rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch), "
                      f"{len(skipped)} skipped {skipped}")
 
-    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-    everyone = [torch.empty_like(weights) for _ in range(world_size)]
-    dist.all_gather(everyone, weights)  # DIST: every rank's weights, to check that they are still identical
-    identical = all(torch.allclose(w, everyone[0], rtol=0, atol=0, equal_nan=True) for w in everyone)
+    identical = replicas.identical_on_all_ranks(model.parameters())  # DIST: all_gathers every rank's weights
     losses = torch.stack(losses)
     dist.all_reduce(losses)  # DIST: the loss of each global batch, averaged over ranks (one call at the end)
     losses = (losses / world_size).tolist()
@@ -167,7 +164,7 @@ def build_parser():
     p.add_argument("--precision", default="bf16", choices=sorted(DTYPES),
                    help="the dtype of autocast's matrix products; fp16 adds GradScaler")
     p.add_argument("--clip-grad-norm", type=cli.positive_float, default=1.0,
-                   help="clip the gradients' total norm to this (after unscale_)")
+                   help="clip the gradients' total norm to this")
     p.add_argument("--overflow-at", type=cli.positive_int, default=None, metavar="STEP",
                    help="multiply one rank's loss by inf at this step, to watch every rank skip it (fp16)")
     p.add_argument("--overflow-rank", type=cli.non_negative_int, default=1, help="the rank of --overflow-at")

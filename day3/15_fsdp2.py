@@ -51,9 +51,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli
+from course import cli, memory
 from course.evaluate import evaluate
-from course import memory
 from course.launch import backend_for, launch, setup_device
 from course.models import add_vit_args, check_vit_args, model_from_args
 from course.output import plot_curves, rank_print, save_weights, write_json
