@@ -3,6 +3,7 @@
     python day3/13_mixed_precision.py --nproc 2 --quick --precision bf16
     torchrun --nproc_per_node=4 day3/13_mixed_precision.py --precision fp16
     srun --ntasks=4 python day3/13_mixed_precision.py --precision bf16
+    python day3/13_mixed_precision.py --nproc 2 --quick --precision fp32 --compile
 
 Lesson 6's DDP loop, with day 3's model (a small Vision Transformer, course/models.py) and three changes:
 - `torch.autocast(device, dtype)` runs the forward pass's matrix products in bf16 or fp16 (half the bytes,
@@ -18,6 +19,13 @@ rank's gradients, yet every rank skips the same step: DDP has already all_reduce
 on one rank makes the sum inf on all of them (--overflow-at injects one on one rank to watch it).
 On a CPU without bf16 instructions (no avx512_bf16/AMX in lscpu's flags) 16-bit matrix products are
 emulated and slower than fp32; on GPUs and recent server CPUs they are faster.  --batch-size is per rank.
+--compile: torch.compile of the DDP-wrapped model.  Compiled after wrapping, dynamo cuts the graph at DDP's
+bucket boundaries, so each bucket's all_reduce still starts while the rest of backward runs (compiling the
+bare model before wrapping gives one graph whose gradients all arrive at its end).  The first forward and
+backward compile: tens of seconds on a CPU, then cached in /tmp/torchinductor_$USER.  course/precision.py's
+warm_up runs them once before training (the gradients are thrown away), so the step times are training's
+alone; an epoch's shorter last batch compiles once more.  TORCH_LOGS=ddp_graphs prints the pieces when the
+gradients fill more than one bucket (--bucket-cap-mb, at least DDP's first bucket of 1 MB).
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import math
