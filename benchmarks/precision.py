@@ -8,7 +8,12 @@ that interleave the three precisions (common.best_of_each), ratios against fp32 
 A CPU computes 16-bit matrix products natively only with avx512_bf16 / amx_bf16 (lscpu's flags); without
 them the inputs are converted and the products are slower than fp32.  The flags found are in the rows'
 notes.  With CUDA the same rows on one GPU.
+Lesson 13's --compile: the fp32 step with the model under torch.compile against the same step eager, both
+after warm-up (the first compiled call compiles forward and backward: its seconds are a row of their own).
+--smoke compiles with backend "eager" (dynamo's capture only, seconds instead of a minute): its numbers say
+nothing about inductor.
 """
+import time
 from pathlib import Path
 
 import torch
@@ -31,11 +36,14 @@ def cpu_flags() -> str:
     return "CPU has " + (", ".join(found) if found else "no avx512_bf16/amx_bf16/avx512_fp16/amx_fp16")
 
 
-def step_fn(precision: str, device: torch.device, x, y):
-    """One training step of lesson 13 at this precision, as a function of no arguments."""
+def step_fn(precision: str, device: torch.device, x, y, compile_backend: str = None):
+    """One training step of lesson 13 at this precision, as a function of no arguments (the model under
+    torch.compile with `compile_backend`, if given)."""
     torch.manual_seed(0)
     model = ViT().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if compile_backend:
+        model = torch.compile(model, backend=compile_backend)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     dtype = DTYPES[precision]
 
@@ -64,6 +72,22 @@ def measure(ctx, device: torch.device) -> dict:
     return best_of_each(steps, repeats, sync)
 
 
+def compiled_vs_eager(ctx, device: torch.device) -> tuple:
+    """(compile seconds, {"eager": s, "compiled": s}) for lesson 13's fp32 step."""
+    ds = InMemoryMNIST(ctx.dataset, "train", ctx.data_dir, device, limit=BATCH)
+    steps = {"eager": step_fn("fp32", device, ds.images, ds.labels),
+             "compiled": step_fn("fp32", device, ds.images, ds.labels, "eager" if ctx.smoke else "inductor")}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    start = time.perf_counter()
+    steps["compiled"]()  # compiles the forward and the backward
+    sync()
+    compile_seconds = time.perf_counter() - start
+    for step in steps.values():
+        for _ in range(ctx.pick(1, 2, 3)):
+            step()
+    return compile_seconds, best_of_each(steps, ctx.pick(1, 5, 15), sync if device.type == "cuda" else None)
+
+
 def run(ctx) -> list:
     rows = []
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if ctx.cuda else [])
@@ -76,4 +100,11 @@ def run(ctx) -> list:
                             + (" (GradScaler)" if p == "fp16" else ""), seconds * 1e3, "ms/step",
                             *((seconds / best["fp32"], "the same step in fp32 (> 1: slower)") if p != "fp32" else ()),
                             note=note))
+        compile_seconds, best = compiled_vs_eager(ctx, device)
+        backend = "backend eager (--smoke)" if ctx.smoke else "inductor"
+        rows.append(Row("precision", f"vit, batch {BATCH}, {where}: torch.compile ({backend}), the first step",
+                        compile_seconds, "s", note="compiling forward and backward; cached afterwards"))
+        rows.append(Row("precision", f"vit, batch {BATCH}, {where}: train step in fp32, compiled ({backend})",
+                        best["compiled"] * 1e3, "ms/step", best["compiled"] / best["eager"],
+                        "the same step eager, after warm-up (< 1: faster)", note=note))
     return rows

@@ -65,6 +65,10 @@ def test_smoke_run_writes_csv_table_and_plot_with_finite_ratios(dataset, tmp_pat
                          "stall per step, dcp.save after every step", "stall per step, dcp.async_save after every step"):
             assert f"vit w32 d2, {w} ranks: {measured}" in names
 
+    # lesson 13's --compile: the compiled step against the eager one, and the seconds the compiling took
+    compiled = [r for r in rows if r["name"].endswith("train step in fp32, compiled (backend eager (--smoke))")]
+    assert len(compiled) == 1 and compiled[0]["vs"].startswith("the same step eager"), compiled
+    assert any(n.endswith("torch.compile (backend eager (--smoke)), the first step") for n in names)
     png = (tmp_path / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     meta = json.loads((tmp_path / "bench.json").read_text())["meta"]
