@@ -44,9 +44,10 @@ def report(everyone: list, args, steps: int, accuracy: float, model) -> None:
 
 
 def identical_on_all_ranks(tensors) -> bool:
-    """Every rank calls it: whether these tensors are equal, bit for bit, on every rank (one all_gather of
-    them all, flattened into one tensor)."""
+    """Every rank calls it: whether these tensors are equal on every rank, number for number, a NaN equal to a
+    NaN (weights that became NaN everywhere are still identical replicas); one all_gather of them all,
+    flattened into one tensor."""
     mine = torch.cat([t.detach().reshape(-1) for t in tensors])
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    return all(torch.equal(everyone[0], t) for t in everyone)
+    return all(torch.allclose(t, everyone[0], rtol=0, atol=0, equal_nan=True) for t in everyone)

@@ -47,9 +47,11 @@ H5 = REPO / "data" / "fashion-mnist-chunk1000.h5" if FULL_SIZE else RUN / "fashi
 # %% [markdown]
 # ## What changed against lesson 10
 #
-# The in-memory dataset and the `DistributedSampler` give way to the chunk sampler and a DataLoader reading
-# the HDF5 file; the loop runs inside `model.join()`; every epoch counts how often each sample was trained
-# on.
+# The in-memory dataset and the `DistributedSampler` give way to `ChunkShardSampler` (one permutation of the
+# chunks, dealt round-robin) and a DataLoader handing over whole chunks, which `rebatch` cuts into batches;
+# the loop runs inside `model.join()`, and after it the ranks that stopped early get the momentum. The
+# bookkeeping is `course/coverage.py`'s: every rank's steps, how often each sample was trained on, each
+# step's loss, the time waited for data, and whether the replicas ended identical.
 
 # %%
 show_diff("day2/10_mnist_ddp_pt_multinode.py", "day2/11_mnist_ddp_pt_multinode_streaming.py")
