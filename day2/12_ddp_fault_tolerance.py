@@ -47,15 +47,16 @@ backward after the wrap in provisional buckets (parameter order), then rebuilds 
 gradients arrived.  A number's place in its bucket sets the order in which the ranks' values are added:
 with 2 ranks a + b = b + a, with 4 another order rounds differently (4 ranks resumed without the rebuild
 ended with weights ~1e-8 off).  The uninterrupted run trains in rebuilt buckets, so a resumed run rebuilds
-them first, with one backward pass that it throws away.  The checkpoint directory is locked by the run
-using it: a second run on the same --run-dir stops with a message instead of mixing its checkpoints with
-the first one's.
-The checkpoint files (atomic write, rotation, the newest valid one, the lock) are course/checkpoints.py's.
+them first, with one backward pass that it throws away.  The weights are loaded after the wrap, on every
+rank from the same file: the replicas agree without a broadcast.  The checkpoint directory is locked by the
+run using it: a second run on the same --run-dir stops with a message instead of mixing its checkpoints with
+the first one's.  --bucket-cap-mb and --profile as in lesson 10.
+course/checkpoints.py holds the plumbing: what goes into a checkpoint and back out (save, restore), the files
+(atomic write, rotation, the newest valid one, the lock), the position and records a checkpoint carries (step,
+losses, evaluations, stops) and the closing report.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
-import os
 import signal
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -71,9 +72,7 @@ def on_stop_signal(signum, frame):
     stop_signal = signum  # only a flag: we may be inside a collective here; the loop stops at a safe point
 
 
-# SIGUSR1 means "the time limit is near": handled from the first moment, since its default action would kill
-# a rank that is still importing torch.  SIGTERM is handled once training can be saved (see worker).
-signal.signal(signal.SIGUSR1, on_stop_signal)
+signal.signal(signal.SIGUSR1, on_stop_signal)  # from the start: by default SIGUSR1 kills a rank still importing
 
 import torch
 import torch.distributed as dist
@@ -81,165 +80,99 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from course import checkpoints, cli, results
+from course import checkpoints, cli
 from course.evaluate import evaluate
 from course.launch import backend_for, launch, setup_device
 from course.models import build_model
 from course.output import rank_print
+from course.profiling import add_profile_args, maybe_profile
 from data_tools.datasets import InMemoryMNIST, batches, require
 
-# A checkpoint belongs to one training run: resuming with other values of these would be another run.
-SAME_RUN = ("dataset", "model", "batch_size", "lr", "seed", "train_samples")
-
-# ----------------------------------------------------------------------------------------------- training
 
 def worker(info, args):
+    # info: rank, local rank, node and world size from srun's or torchrun's variables (lesson 9)
     rank, world_size = info.rank, info.world_size
-    device = setup_device(args.device, info.local_rank)
-    # Reproducible kernels, so that a resumed run can equal the uninterrupted one (cuBLAS needs the setting;
-    # a GPU op without a deterministic version, e.g. the CNN's max-pool backward, warns instead of failing)
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    directory = args.checkpoint_dir or args.run_dir / "checkpoints"
-    lock = checkpoints.lock(directory) if rank == 0 else None  # before init: a second run stops right here
+    device = setup_device(args.device, info.local_rank)  # DIST: the LOCAL rank picks this node's GPU
+    directory = checkpoints.prepare(args, rank, info.launcher)  # deterministic kernels, the dir's lock, pids
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
                             timeout=timedelta(seconds=args.timeout))
     signal.signal(signal.SIGTERM, on_stop_signal)  # after init: until here SIGTERM simply ends the process
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) + int(os.environ.get("SLURM_RESTART_COUNT", 0))
-    rank_print(rank, f"pid {os.getpid()} on {socket.gethostname()} ({info.launcher}, restart {restarts})")
     require(args.dataset, args.data_dir)
     train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
     test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
 
     model = build_model(args.model, args.seed + rank).to(device)
+    # DDP: broadcasts rank 0's weights at wrap time, then all_reduces gradient buckets during backward
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                bucket_cap_mb=args.bucket_cap_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    run = {k: getattr(args, k) for k in SAME_RUN} | {"world_size": world_size}
-    state = {"epoch": 0, "batches_done": 0, "step": 0, "loss_per_step": [], "evaluations": [], "stops": [],
-             "resumed_at": [], "train_seconds": 0.0}
-
-    # DIST: rank 0 picks the checkpoint and tells the others: every rank must resume from the same one
-    chosen = [None]
-    if rank == 0:
-        # --fresh deletes them all first; a torn or foreign file is reported and skipped
-        chosen = [checkpoints.newest_valid(directory, fresh=args.fresh)]
-    dist.broadcast_object_list(chosen, src=0)  # DIST: every rank learns rank 0's choice
+    state = checkpoints.new_state(args, world_size)  # the position (step 0) and the run's records so far
+    chosen = [checkpoints.newest_valid(directory, fresh=args.fresh) if rank == 0 else None]  # DIST: rank 0 picks
+    dist.broadcast_object_list(chosen, src=0)  # DIST: and tells the others: every rank resumes from the same one
     if chosen[0] is not None:
         saved = torch.load(chosen[0], map_location=device, weights_only=True)  # DIST: onto this rank's device
-        checkpoints.check_same_run(saved, run, directory)  # the same settings, or one line saying which differ
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        torch.set_rng_state(saved["rng"]["cpu"][rank].cpu())  # each rank its own random stream
-        if device.type == "cuda" and saved["rng"]["cuda"] is not None:
-            torch.cuda.set_rng_state(saved["rng"]["cuda"][rank].cpu())
-        state = {k: saved[k] for k in state}
-        state["resumed_at"] = state["resumed_at"] + [state["step"]]
-        if rank == 0:
-            rank_print(rank, f"resuming from {chosen[0]}: step {state['step']}, epoch {state['epoch']}, "
-                             f"batch {state['batches_done']} of the epoch")
-    # DDP: wraps after loading: the broadcast at wrap time then copies weights every rank already has
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if chosen[0] is not None:
-        # DDP: one backward, thrown away, so that the resumed steps reduce in DDP's rebuilt buckets as the
-        # uninterrupted run's do (see "bit for bit" above: from 3 ranks on, the buckets decide the rounding)
-        F.cross_entropy(model(train_set.images[:1]), train_set.labels[:1]).backward()  # on every rank
-        optimizer.zero_grad()  # nothing of it reaches the weights or the momentum
+        state = checkpoints.restore(chosen[0], saved, model.module, optimizer, rank, state)  # the same on all ranks
+        # DDP: one backward, thrown away, so that resumed steps reduce in rebuilt buckets (see "bit for bit" above)
+        F.cross_entropy(model(train_set.images[:1]), train_set.labels[:1]).backward()  # the next zero_grad drops it
 
     def checkpoint():
         """Every rank calls it (the RNG states are gathered); rank 0 writes."""
         rng = [None] * world_size
-        dist.all_gather_object(rng, {"cpu": torch.get_rng_state(),  # DIST: each rank's stream, for rank 0
-                                     "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None})
-        if rank == 0:
-            # written to a temporary file, flushed to the disk and renamed: a crash leaves the previous one
-            path = checkpoints.save(directory, state["step"], {
-                "format": checkpoints.FORMAT, "run": run, **state,
-                "model": {k: v.detach().cpu() for k, v in model.module.state_dict().items()},
-                "optimizer": optimizer.state_dict(), "sampler_seed": args.seed,
-                "rng": {"cpu": [r["cpu"] for r in rng],
-                        "cuda": [r["cuda"] for r in rng] if device.type == "cuda" else None}}, args.keep)
-            return path
+        dist.all_gather_object(rng, checkpoints.rng_state(device))  # DIST: each rank's streams, for rank 0
+        if rank == 0:  # to a temporary file, flushed to the disk and renamed: a crash leaves the previous one
+            return checkpoints.save(directory, state, model.module, optimizer, rng, args.keep)
 
     # DDP: rank r gets every W-th index of the epoch's shuffled order; padded so all shards are equal
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-    per_epoch = -(-len(sampler) // args.batch_size)
-    max_steps = args.max_steps or args.epochs * per_epoch
-    segment_start, stopped = time.perf_counter(), None
-    while state["epoch"] < args.epochs and state["step"] < max_steps and stopped is None:
-        epoch = state["epoch"]
-        sampler.set_epoch(epoch)  # DDP: the epoch's shuffle, the same on every rank and in every restart
-        # Resuming mid-epoch: skip the batches this epoch has already trained on
-        order = list(sampler)[state["batches_done"] * args.batch_size:]
-        for x, y in batches(train_set, order, args.batch_size):
+    per_epoch, max_steps = checkpoints.steps(args, len(sampler))  # batches per epoch, steps in all
+    prof = maybe_profile(args, rank, device)  # --profile: lesson 5's traces and TensorBoard scalars
+    stopped, start = None, time.perf_counter()
+    for epoch in range(state["epoch"], args.epochs):
+        if state["step"] >= max_steps:
+            break
+        sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
+        # Resumed mid-epoch: the same shuffle (set_epoch), less the batches already trained on
+        loader = batches(train_set, list(sampler)[state["batches_done"] * args.batch_size:], args.batch_size)
+        for x, y in loader:
             loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad()
             loss.backward()  # DDP: gradients arrive averaged over ranks when backward returns
             optimizer.step()
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
-            # DIST: one all_reduce per step carries the loss (summed) and the stop requests (counted), so that
-            # every rank sees the same decision after the same step, whichever rank got the signal
             status = torch.stack([loss.detach().float(), torch.tensor(float(stop_signal is not None), device=device)])
-            dist.all_reduce(status)  # DIST: summed over ranks, the same on every rank
-            state["loss_per_step"].append((status[0] / world_size).item())
-            state["step"] += 1
-            state["batches_done"] += 1
-            asked = int(status[1].item())
-            if rank == 0 and state["step"] % args.log_every == 0:
-                rank_print(rank, f"step {state['step']} (epoch {epoch}, batch {state['batches_done']}/{per_epoch}): "
-                                 f"loss {state['loss_per_step'][-1]:.4f}")
-            if asked:  # DIST: every rank is here, after the same step: who got which signal, for the record
-                got = [None] * world_size  # DIST: which signal reached which rank
-                dist.all_gather_object(got, signal.Signals(stop_signal).name if stop_signal else None)
-                stopped = {"step": state["step"], "signals": {r: s for r, s in enumerate(got) if s}}
-                state["stops"] = state["stops"] + [stopped]
+            dist.all_reduce(status)  # DIST: one all_reduce a step: the loss and the stop requests, summed over ranks
+            checkpoints.after_step(state, (status[0] / world_size).item(), rank, args, per_epoch)
+            prof.step(loss, world_size * len(y))
+            if status[1] > 0:  # DIST: a rank was asked to stop: ALL stop after this step; gathers who got what
+                stopped = checkpoints.record_stop(state, stop_signal)
+            elif state["step"] % args.checkpoint_every == 0:
+                checkpoint()
+            if stopped is not None or state["step"] >= max_steps:
                 break
-            if state["step"] % args.checkpoint_every == 0:
-                path = checkpoint()
-                if rank == 0:
-                    rank_print(rank, f"checkpoint {path}")
-            if state["step"] >= max_steps:
-                break
-        if stopped is None:  # the epoch is done (or max_steps reached): evaluate, then on to the next one
-            accuracy, test_loss, counted = evaluate(model.module, test_set, rank, world_size)
-            state["evaluations"] = state["evaluations"] + [
-                {"epoch": epoch, "step": state["step"], "test_accuracy": accuracy, "test_loss": test_loss}]
-            if rank == 0:
-                rank_print(rank, f"epoch {epoch}: test loss {test_loss:.4f}, test accuracy {accuracy:.4f} "
-                                 f"({counted} test images, each counted once)")
-            if state["batches_done"] >= per_epoch:
-                state["epoch"], state["batches_done"] = epoch + 1, 0
-    state["train_seconds"] += time.perf_counter() - segment_start
+        if stopped is not None:
+            break
+        accuracy, test_loss, counted = evaluate(model.module, test_set, rank, world_size)
+        prof.epoch(epoch, accuracy, test_loss)
+        if rank == 0:
+            rank_print(rank, f"epoch {epoch}: test loss {test_loss:.4f}, test accuracy {accuracy:.4f} "
+                             f"({counted} test images, each counted once)")
+        checkpoints.end_epoch(state, epoch, accuracy, test_loss, per_epoch)  # the next epoch, if this one is done
+    seconds = time.perf_counter() - start
+    prof.close()
+    state["train_seconds"] += seconds
     path = checkpoint()  # at the stop or at the end: the newest state is always on the disk
     dist.barrier()  # DIST: nobody leaves before rank 0 has written it (srun would stop the job early)
-    if stopped is not None:
-        if rank == 0:
-            got = ", ".join(f"{name} to rank {r}" for r, name in stopped["signals"].items())
-            rank_print(rank, f"stopped after step {stopped['step']} of {max_steps} ({got}); checkpoint {path}; "
-                             f"run the same command again to resume")
-        dist.destroy_process_group()
-        return
-
-    if rank == 0:  # DIST: global rank 0 alone writes the shared files
-        last = state["evaluations"][-1] if state["evaluations"] else {"test_accuracy": None, "test_loss": None}
-        resumed = state["resumed_at"] or "none"
-        # metrics.json (with the stops, resumptions and restarts), model.pt, loss.png
-        results.write(args, model, state["loss_per_step"], state["train_seconds"], last["test_accuracy"],
-                      last["test_loss"], len(sampler), line=False, launcher=info.launcher,
-                      title=f"{args.model}, global batch {world_size * args.batch_size}, resumed at steps {resumed}",
-                      evaluations=state["evaluations"], stops=state["stops"], resumed_at=state["resumed_at"],
-                      restarts=restarts, checkpoint=str(path))
-        print(f"{state['step']} steps, {len(state['stops'])} stop(s), resumed at steps {resumed}; "
-              f"test accuracy {last['test_accuracy']:.4f}; outputs in {args.run_dir}", flush=True)
+    if rank == 0:  # DIST: GLOBAL rank 0 alone writes the shared files (local rank 0 exists on every node)
+        checkpoints.report(args, model, state, stopped, path, len(sampler), info.launcher)  # stopped: exit 0 too
     dist.destroy_process_group()
-    if lock is not None:
-        lock.close()
 
 
 def build_parser():
-    p = cli.add_distributed(cli.parser(__doc__, "day2/12_ddp_fault_tolerance.py", nproc_default=2))
-    return checkpoints.add_args(p)  # --checkpoint-every, --checkpoint-dir, --keep, --fresh, --log-every, ...
+    p = checkpoints.add_args(cli.add_distributed(cli.parser(__doc__, "day2/12_ddp_fault_tolerance.py", nproc_default=2)))
+    p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0,
+                   help="DDP's gradient bucket size in MB (the MLP's gradients are 0.4 MB: one bucket)")
+    return add_profile_args(p)
 
 
 if __name__ == "__main__":
-    cli.main(lambda args: (checkpoints.check_dir(args), require(args.dataset, args.data_dir), launch(worker, args)),
-             build_parser())
+    cli.main(lambda args: (checkpoints.check_dir(args),
+                           require(args.dataset, args.data_dir), launch(worker, args)), build_parser())
