@@ -61,18 +61,30 @@ def test_a_barrier_against_an_all_reduce_names_both_ranks_and_both_collectives(r
     _, proc, seconds = runs[name]
     assert proc.returncode != 0 and seconds <= BOUND_S, (proc.returncode, seconds, proc.stderr)
     lines = rank_lines(proc)
-    # rank 0 always reports (it hosts the store); rank 1 may be stopped by the launcher once rank 0 has failed
-    assert 0 in lines, proc.stderr
-    zero = lines[0]
-    assert re.search(r"rank 0 waited [\d.]+ s in barrier #(\d+) \(no tensor, issued at 17_debugging_hangs.py:\d+\) "
-                     r"and stopped: timed out", zero), zero
-    seq = re.search(r"barrier #(\d+)", zero).group(1)
-    # the other side: DDP's gradient bucket (the MLP's 101770 parameters), the same sequence number
-    assert f"rank 1 last entered all_reduce #{seq} (shape [101770]" in zero, zero
-    if 1 in lines:
-        assert f"rank 1 waited" in lines[1] and f"all_reduce #{seq} (shape [101770]" in lines[1], lines[1]
-        assert f"rank 0 last entered barrier #{seq}" in lines[1], lines[1]
-    assert "flight_recorder -p rank_" in zero
+    # Which rank reports first, and whether the other answers within PEER_WAIT_S, depends on the load: a rank
+    # whose partner has already exited sees the connection lost instead of its own timeout, and a rank stopped
+    # by the launcher once the other has failed says nothing.  Every rank that reports names its own
+    # collective; the two collectives, a barrier and DDP's bucket all_reduce (the MLP's 101770 parameters)
+    # with one sequence number, are named by the lines together.
+    assert lines, proc.stderr
+    own = {0: r"barrier #(\d+) \(no tensor, issued at 17_debugging_hangs.py:\d+\)",
+           1: r"all_reduce #(\d+) \(shape \[101770\], issued at 17_debugging_hangs.py:\d+\)"}
+    other = {0: r"rank 1 last entered all_reduce #(\d+) \(shape \[101770\]", 1: r"rank 0 last entered barrier #(\d+)"}
+    seqs, named = set(), set()
+    for rank, line in lines.items():
+        m = re.search(rf"rank {rank} waited [\d.]+ s in {own[rank]} and stopped: (timed out|the connection to "
+                      rf"another rank was lost)", line)
+        assert m, line
+        seqs.add(m.group(1))
+        named.add(rank)
+        m = re.search(other[rank], line)
+        if m:
+            seqs.add(m.group(1))
+            named.add(1 - rank)
+        else:
+            assert f"rank {1 - rank} did not say" in line, line
+    assert named == {0, 1} and len(seqs) == 1, lines  # both collectives, the same step's
+    assert "flight_recorder -p rank_" in " ".join(lines.values())
 
 
 def test_different_sizes_name_the_all_reduce_and_its_shape(runs):
