@@ -144,7 +144,7 @@ def worker(info, args):
             prof.step(loss, world_size * len(y))
             if status[1] > 0:  # DIST: a rank was asked to stop: ALL stop after this step; gathers who got what
                 stopped = checkpoints.record_stop(state, stop_signal)
-            elif state["step"] % args.checkpoint_every == 0:
+            elif state["step"] % args.checkpoint_every == 0 and state["step"] < max_steps:  # the last: below
                 checkpoint()
             if stopped is not None or state["step"] >= max_steps:
                 break

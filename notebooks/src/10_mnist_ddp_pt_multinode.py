@@ -45,7 +45,8 @@ draw_nodes(2, 4, title="global rank 0 writes the files; local rank 0 (one per no
 # ## What changed against lesson 6
 #
 # The device chosen by the local rank, a report of the placement, the per-node line from each local
-# rank 0, and the refusal to start without a launcher. The training loop does not change.
+# rank 0, and the refusal to start without a launcher. The training loop does not change; lesson 6's
+# `--loader` option is gone: the batches always come through the DataLoader (lesson 6's default).
 
 # %%
 show_diff("day1/6_mnist_ddp_pt.py", "day2/10_mnist_ddp_pt_multinode.py")

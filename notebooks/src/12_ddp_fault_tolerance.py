@@ -47,9 +47,14 @@ RUN = run_dir("12_ddp_fault_tolerance")
 # %% [markdown]
 # ## What changed against lesson 10
 #
-# The training loop is lesson 10's; around it: the checkpoint functions, the signal flag and its all_reduce,
-# the resume at the right batch of the right epoch, and a lock so that two runs never share a checkpoint
-# directory.
+# The training step is lesson 10's; around it: the stop flag, all_reduced with the step's loss; a checkpoint
+# every `--checkpoint-every` steps and at the stop or the end, written by rank 0 with every rank's random
+# state; and the resume at the right batch of the right epoch, which is why the batches come from
+# `batches()` over the sampler's order instead of lesson 10's DataLoader. Lesson 10's placement report,
+# per-node line and launcher check are gone (`--nproc` works). The bookkeeping is `course/checkpoints.py`'s:
+# deterministic kernels, the directory's lock (two runs never share it) and the pid lines (`prepare`); the
+# position and the records (`new_state`, `after_step`, `record_stop`, `end_epoch`); `save` and `restore`;
+# and the closing `report`.
 
 # %%
 show_diff("day2/10_mnist_ddp_pt_multinode.py", "day2/12_ddp_fault_tolerance.py")

@@ -39,7 +39,8 @@ RUN = run_dir("14_accumulation_checkpointing")
 # ## What changed against lesson 13
 #
 # The inner loop over K micro-batches with `no_sync()` around all but the last, the loss divided by K, and
-# a `checkpoint` around each block's forward. Mixed precision stays as it was.
+# a `checkpoint` around each block's forward. Mixed precision stays as it was; lesson 13's `--compile` is
+# not carried over.
 
 # %%
 show_diff("day3/13_mixed_precision.py", "day3/14_accumulation_checkpointing.py")
@@ -172,7 +173,8 @@ bottom.set(xlabel="seconds since the rank started its loop", ylabel="optimizer s
 top.legend()
 plt.show()
 summaries = [h["summary"] for h in hw]
-md(f"{len(hw)} ranks, {summaries[0]['samples']} samples each over {summaries[0]['seconds']:.1f} s: each "
+md(f"{len(hw)} ranks, " + ", ".join(str(s["samples"]) for s in summaries)
+   + f" samples over {summaries[0]['seconds']:.1f} s: each "
    f"rank used on average " + ", ".join(f"{s['cpu_percent_mean']:.0f}%" for s in summaries)
    + f" of a core ({summaries[0]['torch_threads']} torch thread per rank), and held at most "
    + ", ".join(f"{s['rss_mb_max']:.0f}" for s in summaries)

@@ -60,8 +60,8 @@ md(f"{plans[1]['parameters']:,} parameters: DDP needs {plans[2]['ddp'] / MB:.2f}
 # ## What changed against lesson 13
 #
 # DDP's wrapper is gone; `init_device_mesh`, a `MixedPrecisionPolicy` and `fully_shard` per block and on the
-# root take its place. The GradScaler is gone too (the lesson offers fp32 and bf16; see its docstring for
-# why fp16 is left out). At the end the ranks count their bytes and gather the whole weights once to save
+# root take its place. The GradScaler and `--overflow-at` are gone too (the lesson offers fp32 and bf16; see
+# its docstring for why fp16 is left out), and so is lesson 13's `--compile`. At the end the ranks count their bytes and gather the whole weights once to save
 # one ordinary file.
 
 # %%
