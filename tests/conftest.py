@@ -101,3 +101,26 @@ def dataset():
 
     prepare(DEFAULT_DATASET, log=lambda *_: None)
     return DEFAULT_DATASET
+
+
+# ------------------------------------------------------------------------- where the suite's time goes
+
+_seconds_per_file = {}
+
+
+def pytest_runtest_logreport(report):
+    """Setup, call and teardown seconds, summed per test file (under xdist: in the controller, from every
+    worker's reports)."""
+    path = report.nodeid.split("::")[0]
+    _seconds_per_file[path] = _seconds_per_file.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """A table of the test files that took longest, in worker-seconds: what to make cheaper first."""
+    if hasattr(config, "workerinput") or not _seconds_per_file:
+        return
+    total = sum(_seconds_per_file.values())
+    terminalreporter.section("worker-seconds per test file")
+    for path, seconds in sorted(_seconds_per_file.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:4.1f} %  {path}")
+    terminalreporter.write_line(f"{total:8.1f} s  in all, {len(_seconds_per_file)} files")
