@@ -60,9 +60,7 @@ def step_fn(precision: str, device: torch.device, x, y, compile_backend: str = N
     return step
 
 
-def measure(ctx, device: torch.device) -> dict:
-    ds = InMemoryMNIST(ctx.dataset, "train", ctx.data_dir, device, limit=BATCH)
-    x, y = ds.images, ds.labels
+def measure(ctx, device: torch.device, x, y) -> dict:
     steps = {p: step_fn(p, device, x, y) for p in DTYPES}
     for step in steps.values():  # warm-up: first-call allocations, oneDNN/cuBLAS kernel choice
         for _ in range(ctx.pick(1, 2, 3)):
@@ -72,27 +70,28 @@ def measure(ctx, device: torch.device) -> dict:
     return best_of_each(steps, repeats, sync)
 
 
-def compiled_vs_eager(ctx, device: torch.device) -> tuple:
+def compiled_vs_eager(ctx, device: torch.device, x, y) -> tuple:
     """(compile seconds, {"eager": s, "compiled": s}) for lesson 13's fp32 step."""
-    ds = InMemoryMNIST(ctx.dataset, "train", ctx.data_dir, device, limit=BATCH)
-    steps = {"eager": step_fn("fp32", device, ds.images, ds.labels),
-             "compiled": step_fn("fp32", device, ds.images, ds.labels, "eager" if ctx.smoke else "inductor")}
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    steps = {"eager": step_fn("fp32", device, x, y),
+             "compiled": step_fn("fp32", device, x, y, "eager" if ctx.smoke else "inductor")}
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
     start = time.perf_counter()
     steps["compiled"]()  # compiles the forward and the backward
-    sync()
+    if sync:
+        sync()
     compile_seconds = time.perf_counter() - start
     for step in steps.values():
         for _ in range(ctx.pick(1, 2, 3)):
             step()
-    return compile_seconds, best_of_each(steps, ctx.pick(1, 5, 15), sync if device.type == "cuda" else None)
+    return compile_seconds, best_of_each(steps, ctx.pick(1, 5, 15), sync)
 
 
 def run(ctx) -> list:
     rows = []
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if ctx.cuda else [])
     for device in devices:
-        best = measure(ctx, device)
+        batch = InMemoryMNIST(ctx.dataset, "train", ctx.data_dir, device, limit=BATCH)  # one batch, read once
+        best = measure(ctx, device, batch.images, batch.labels)
         where = f"{torch.get_num_threads()} CPU threads" if device.type == "cpu" else torch.cuda.get_device_name()
         note = cpu_flags() if device.type == "cpu" else f"bf16 supported: {torch.cuda.is_bf16_supported()}"
         for p, seconds in best.items():
@@ -100,7 +99,7 @@ def run(ctx) -> list:
                             + (" (GradScaler)" if p == "fp16" else ""), seconds * 1e3, "ms/step",
                             *((seconds / best["fp32"], "the same step in fp32 (> 1: slower)") if p != "fp32" else ()),
                             note=note))
-        compile_seconds, best = compiled_vs_eager(ctx, device)
+        compile_seconds, best = compiled_vs_eager(ctx, device, batch.images, batch.labels)
         backend = "backend eager (--smoke)" if ctx.smoke else "inductor"
         rows.append(Row("precision", f"vit, batch {BATCH}, {where}: torch.compile ({backend}), the first step",
                         compile_seconds, "s", note="compiling forward and backward; cached afterwards"))

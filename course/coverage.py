@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from course.output import rank_print, write_json
 from course.replicas import identical_on_all_ranks
+from data_tools.h5stream import chunk_bounds
 
 
 class Coverage:
@@ -28,7 +29,8 @@ class Coverage:
     def start_epoch(self, my_chunks: list, chunks, args) -> list:
         """Every rank calls it: returns every rank's number of steps this epoch, from the samples in its chunks
         (one chunk more or less between ranks: their steps differ), or fewer where --max-steps ends training."""
-        samples = sum(min(chunks.chunk_samples, chunks.num_samples - c * chunks.chunk_samples) for c in my_chunks)
+        samples = sum(stop - start for start, stop in
+                      (chunk_bounds(c, chunks.chunk_samples, chunks.num_samples) for c in my_chunks))
         my_steps = -(-samples // args.batch_size)
         if args.max_steps:
             my_steps = min(my_steps, args.max_steps - self.steps)

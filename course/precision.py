@@ -44,19 +44,20 @@ def check_precision(args) -> None:
                           f"({problems[0]}); use --precision {other} or fp32")
 
 
-def warm_up(model, train_set, args, dtype) -> float:
+def warm_up(model, train_set, args, dtype) -> None:
     """--compile: run the compiled model's first forward and backward before training, so that the lesson's
     clock measures training, not compiling.  Every rank calls it (backward all_reduces through DDP).
 
     One batch of the training set's shape, under the autocast the loop uses (dynamo compiles for that
     autocast state), forward and backward, then the gradients are thrown away: no optimizer step, so the
     weights, the momentum and the data order are those of the uncompiled run.  A later batch of another shape
-    (an epoch's short last batch) compiles once more, inside the timing.  Rank 0 prints how long it took;
-    returns the seconds."""
+    (an epoch's short last batch) compiles once more, inside the timing.  Rank 0 prints how long it took."""
     import time
 
     import torch.distributed as dist
     import torch.nn.functional as F
+
+    from course.output import rank_print
 
     start = time.perf_counter()
     x, y = train_set[list(range(args.batch_size))]
@@ -64,8 +65,6 @@ def warm_up(model, train_set, args, dtype) -> float:
         loss = F.cross_entropy(model(x), y)
     loss.backward()
     model.zero_grad(set_to_none=True)
-    seconds = time.perf_counter() - start
     if dist.get_rank() == 0:
-        print(f"[rank 0] compiled the forward and backward pass in {seconds:.1f} s (before training, not in its "
-              f"timing); TORCH_LOGS=ddp_graphs shows where DDP split the graph", flush=True)
-    return seconds
+        rank_print(0, f"compiled the forward and backward pass in {time.perf_counter() - start:.1f} s (before "
+                      f"training, not in its timing); TORCH_LOGS=ddp_graphs shows where DDP split the graph")

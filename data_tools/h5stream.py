@@ -57,6 +57,12 @@ def chunk_seed(seed: int, epoch: int, chunk: int) -> int:
     return int.from_bytes(digest[:7], "little")
 
 
+def chunk_bounds(chunk: int, chunk_samples: int, num_samples: int) -> tuple:
+    """(start, stop) of `chunk`'s samples; the last chunk may be shorter (never padded)."""
+    start = chunk * chunk_samples
+    return start, min(start + chunk_samples, num_samples)
+
+
 def chunk_permutation(n: int, shuffle_seed) -> torch.Tensor:
     if shuffle_seed is None:
         return torch.arange(n)
@@ -117,8 +123,7 @@ class H5Chunks(torch.utils.data.Dataset):
 
     def __getitem__(self, task):
         chunk, shuffle_seed = task
-        start = chunk * self.chunk_samples
-        stop = min(start + self.chunk_samples, self.num_samples)
+        start, stop = chunk_bounds(chunk, self.chunk_samples, self.num_samples)
         if not 0 <= start < stop:
             raise IndexError(f"chunk {chunk} out of range (0..{len(self) - 1})")
         images, labels = self._open()
@@ -144,8 +149,7 @@ class MemoryChunks(torch.utils.data.Dataset):
 
     def __getitem__(self, task):
         chunk, shuffle_seed = task
-        start = chunk * self.chunk_samples
-        stop = min(start + self.chunk_samples, self.num_samples)
+        start, stop = chunk_bounds(chunk, self.chunk_samples, self.num_samples)
         index = torch.arange(start, stop)[chunk_permutation(stop - start, shuffle_seed)]
         return index, self.images.index_select(0, index), self.labels.index_select(0, index)
 
