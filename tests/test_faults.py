@@ -135,7 +135,10 @@ def environ(pid: int) -> dict:
     return dict(item.decode(errors="replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
 
 
-# lesson, launcher, extra arguments, what shows that training has started (a line, or: its sockets are up)
+# lesson, launcher, extra arguments, what shows that training has started (a line, or: its sockets are up).
+# One case per way the survivors meet the dead rank: lesson 3's broadcast, lesson 4's own all_reduce, lesson
+# 5's under the profiler, DDP's buckets (lesson 6; lessons 7 and 8 train through the same DDP wrap and
+# launcher), lesson 12's stop-flag all_reduce, and torchrun's agent for one and two nodes' lessons.
 KILL_CASES = [
     ("day1/3_mnist_distributed.py", "self", ["--epochs", "1000"], None),
     ("day1/4_mnist_manual_ddp.py", "self", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
@@ -143,8 +146,6 @@ KILL_CASES = [
     ("day2/12_ddp_fault_tolerance.py", "self", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
     ("day2/12_ddp_fault_tolerance.py", "torchrun", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
     ("day1/5_mnist_manual_ddp_profile.py", "self", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
-    ("day1/7_mnist_ddp_pt_timing.py", "self", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
-    ("day1/8_mnist_ddp_pt_lr.py", "torchrun", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
     ("day2/10_mnist_ddp_pt_multinode.py", "torchrun", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
 ]
 
