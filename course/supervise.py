@@ -65,9 +65,7 @@ def run_ranks(rank_main, nproc: int, rank_args: tuple) -> None:
 
 def _rank(index: int, rank_main, rank_args: tuple, environ: dict):
     # A rank forked from the fork server has the environment the server started with; this launch's own
-    # (MASTER_PORT is new for every launch, e.g. in lesson 7's sweep) is the one that counts.  The server ran
-    # without the garbage collector (course/gc_paused.py); a rank has it, as any Python process does.
-    gc.enable()
+    # (MASTER_PORT is new for every launch, e.g. in lesson 7's sweep) is the one that counts.
     os.environ.clear()
     os.environ.update(environ)
     try:

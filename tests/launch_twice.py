@@ -1,8 +1,9 @@
 """Two launches from one process, as lesson 7's sweep makes them: 2 ranks, then 3, with a different
-environment each time.  Every rank prints what it sees.
+environment each time.  Every rank prints what it sees, and whether Python's garbage collector is on.
 
     python tests/launch_twice.py
 """
+import gc
 import os
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ def worker(info, args):
     # One write per line: with PYTHONUNBUFFERED=1, print() writes the text and its newline separately, and
     # two ranks' lines could interleave on the shared pipe.
     sys.stdout.write(f"launch={os.environ['PROBE_LAUNCH']} rank={info.rank} world={info.world_size} "
-                     f"port={os.environ['MASTER_PORT']}\n")
+                     f"port={os.environ['MASTER_PORT']} gc={int(gc.isenabled())}\n")
     sys.stdout.flush()
 
 

@@ -20,9 +20,10 @@ def test_ranks_see_their_own_launch_and_torch_is_imported_once_for_all(method, i
     """Two launches (2 ranks, then 3) from one process, as lesson 7's sweep makes them.  Every rank sees the
     environment of its own launch (its MASTER_PORT, the variable set just before it), although the fork
     server started with the first one.  torch is imported by the launching process and the fork server,
-    not again by each of the 5 ranks (spawn: by every rank)."""
+    not again by each of the 5 ranks (spawn: by every rank).  The fork server imports without Python's garbage
+    collector (course/gc_paused.py); every rank has it on."""
     proc = run([PYTHON, TWICE], env={"COURSE_START_METHOD": method, "PYTHONPROFILEIMPORTTIME": "1"}, timeout=180)
-    seen = sorted(re.findall(r"^launch=(\d) rank=(\d) world=(\d) port=(\d+)$", proc.stdout, flags=re.M))
+    seen = sorted(re.findall(r"^launch=(\d) rank=(\d) world=(\d) port=(\d+) gc=1$", proc.stdout, flags=re.M))
     assert [(launch, rank, world) for launch, rank, world, _ in seen] == \
         [("2", "0", "2"), ("2", "1", "2"), ("3", "0", "3"), ("3", "1", "3"), ("3", "2", "3")], proc.stdout
     ports = {launch: {port for l, _, _, port in seen if l == launch} for launch in ("2", "3")}
