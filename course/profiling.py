@@ -369,7 +369,7 @@ def rank_comm_stats(trace: dict, bytes_per_element: int = 4) -> dict:
     comm_time = sum(end - start for start, end in comm_intervals)
     n = len(steps)
     return {"steps": n,
-            "comm_durations_us": [e["dur"] for e in sorted(comm, key=lambda e: e["ts"])],
+            "comm_spans_us": [(e["ts"] + e["dur"], e["dur"]) for e in sorted(comm, key=lambda e: e["ts"])],
             "all_reduce_per_step": len(calls) / n,
             "collectives_per_step": len(comm) / n,
             "bytes_per_step": elements * bytes_per_element / n,
@@ -384,17 +384,22 @@ def comm_summary(log_dir) -> dict:
     transfer_ms_per_step: every rank takes part in the same collectives in the same order; the i-th one
     lasts, on the rank that arrived last, only as long as moving the data takes, so its shortest duration
     over the ranks is the transfer time and the rest, on the other ranks, is waiting (TensorBoard's
-    Distributed view splits it the same way: "Data Transfer Time" and "Synchronizing Time").
+    Distributed view splits it the same way: "Data Transfer Time" and "Synchronizing Time").  On each rank
+    that time is the last part of its own i-th collective; when a rank was held up, two of these parts can
+    overlap in time and count once (as TensorBoard counts them), so the ranks' sums can differ: their mean.
     """
     paths = sorted(Path(log_dir).glob("chrome_trace/rank*.json"))
     if not paths:
         raise FileNotFoundError(f"no chrome_trace/rank*.json in {log_dir}")
     per_rank = [rank_comm_stats(load_trace(p)) for p in paths]
-    durations = [r.pop("comm_durations_us") for r in per_rank]
+    spans = [r.pop("comm_spans_us") for r in per_rank]
     summary = {k: sum(r[k] for r in per_rank) / len(per_rank) for k in per_rank[0]}
     summary["ranks"] = len(per_rank)
-    if len({len(d) for d in durations}) == 1:
-        summary["transfer_ms_per_step"] = sum(map(min, zip(*durations))) / summary["steps"] / 1000
+    if len({len(s) for s in spans}) == 1:
+        shortest = [min(dur for _, dur in same) for same in zip(*spans)]
+        transfer = [sum(end - start for start, end in _merge([(end - m, end) for (end, _), m in zip(own, shortest)]))
+                    for own in spans]
+        summary["transfer_ms_per_step"] = sum(transfer) / len(transfer) / summary["steps"] / 1000
     else:  # the ranks' traces do not hold the same collectives: no pairing
         summary["transfer_ms_per_step"] = float("nan")
     summary["overlap_fraction"] = (summary["overlap_ms_per_step"] / summary["comm_ms_per_step"]
