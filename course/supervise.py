@@ -138,14 +138,15 @@ def before_init_process_group() -> None:
     (lessons 0, 1 and 9) and does not pay for the import.
     """
     if "course.models" in sys.modules:
-        with gc_paused():
+        with _without_gc():
             importlib.import_module("torch._dynamo")
 
 
 @contextmanager
-def gc_paused():
+def _without_gc():
     """Python's cyclic garbage collector off while a large package is imported: importing torch._dynamo then
-    takes about 0.3 CPU-seconds less (of 1.6 on a 2-core machine), in every rank torchrun or srun starts."""
+    takes about 0.3 CPU-seconds less (of 1.6 on a 2-core machine), in every rank torchrun or srun starts.
+    (The fork server, which imports everything before its first rank, has it off throughout: gc_paused.py.)"""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
