@@ -5,14 +5,21 @@
     python notebooks/build_notebooks.py 4 test-profile  # only these (a number or a name)
     python notebooks/build_notebooks.py --no-execute    # cells only, no outputs
     python notebooks/build_notebooks.py --check         # exit 1 if a committed notebook differs from its source
+    python notebooks/build_notebooks.py --stale         # list notebooks whose code changed since their run
 
 Each notebook notebooks/<lesson>.ipynb comes from notebooks/src/<lesson>.py, a plain Python file in the
 "percent" format (as jupytext writes it): `# %%` starts a code cell, `# %% [markdown]` a Markdown cell whose
 lines are comments.  Edit the source, never the .ipynb, then rebuild.  Execution uses nbclient with the
 notebook's own directory as working directory, exactly as JupyterLab runs it; lesson outputs go to
 runs/notebooks/<lesson>/ (not committed).
+
+An executed notebook records what it ran on: `metadata.course.inputs_sha256`, a digest of every file that can
+change its outputs (inputs() below).  tests/test_notebooks.py executes a notebook again only when that digest
+no longer matches: otherwise its committed outputs are already a run of exactly the current code.
 """
 import argparse
+import ast
+import hashlib
 import re
 import sys
 import time
@@ -24,6 +31,11 @@ HERE = Path(__file__).resolve().parent
 SRC = HERE / "src"
 CELL_TIMEOUT = 900  # seconds; a full-size run on a GPU node can take minutes per cell
 KERNEL = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+REPO = HERE.parent
+# a repository file a notebook's code names: a lesson it runs, a script or launcher it shows or diffs
+NAMED_FILE = re.compile(r"\b((?:day\d+|data_tools|slurm|scripts)/[\w./-]+\.(?:py|sh))\b")
+OUR_PACKAGES = ("course", "data_tools")
+MODULE_NAME = re.compile(r"^(?:course|data_tools)(?:\.\w+)+$")
 
 
 def sources() -> dict:
@@ -89,6 +101,63 @@ def execute(nb, timeout=CELL_TIMEOUT):
     return nb
 
 
+def _module_files(module: str) -> list:
+    """The files importing `module` runs from this repository: each enclosing package's __init__.py, the module."""
+    parts, found = module.split("."), []
+    for i in range(1, len(parts) + 1):
+        base = REPO.joinpath(*parts[:i])
+        for candidate in (base / "__init__.py", base.with_suffix(".py")):
+            if candidate.is_file():
+                found.append(candidate)
+    return found
+
+
+def inputs(name: str) -> list:
+    """Every repository file the outputs of notebook `name` can depend on: its source, nbhelpers.py, the files
+    they name (lesson scripts, launchers, the scripts those name in turn), everything of course/ and
+    data_tools/ these import or name as a module ("course.gc_paused"), followed file by file, and the
+    requirement files (the pinned torch)."""
+    todo, seen = [SRC / f"{name}.py", HERE / "nbhelpers.py"], set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        text = path.read_text()
+        todo += [REPO / m for m in NAMED_FILE.findall(text) if (REPO / m).is_file()]
+        if path.suffix != ".py":
+            continue
+        for node in ast.walk(ast.parse(text)):
+            modules = []
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names]  # a submodule too
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_NAME.match(node.value):
+                modules = [node.value]
+            for module in modules:
+                if module.split(".")[0] in OUR_PACKAGES:
+                    todo += _module_files(module)
+    return sorted(seen | set(REPO.glob("requirements*.txt")))
+
+
+def inputs_sha256(name: str) -> str:
+    digest = hashlib.sha256()
+    for path in inputs(name):
+        digest.update(path.relative_to(REPO).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def recorded_sha256(path: Path):
+    """The inputs digest an executed notebook was committed with (None: never executed by this script)."""
+    return nbformat.read(path, as_version=4).metadata.get("course", {}).get("inputs_sha256")
+
+
+def stale(names) -> list:
+    """The notebooks whose committed outputs are not a run of the current code."""
+    return [n for n in names if recorded_sha256(HERE / f"{n}.ipynb") != inputs_sha256(n)]
+
+
 def resolve(names, available) -> list:
     chosen = []
     for n in names:
@@ -122,18 +191,28 @@ def main(argv=None) -> int:
     p.add_argument("names", nargs="*", help="notebooks to build (default: all), by name or lesson number")
     p.add_argument("--no-execute", action="store_true", help="write the cells without running them")
     p.add_argument("--check", action="store_true", help="only compare the committed notebooks with the sources")
+    p.add_argument("--stale", action="store_true",
+                   help="only list the notebooks whose code changed since their committed run (exit 1 if any)")
     args = p.parse_args(argv)
     available = sources()
     names = resolve(args.names, available) if args.names else list(available)
     if args.check:
         return check(names, available)
+    if args.stale:
+        old = stale(names)
+        for name in old:
+            print(f"{name}.ipynb: its code changed since its committed run (python notebooks/build_notebooks.py "
+                  f"{name})")
+        return 1 if old else 0
     for name in names:
         t0 = time.perf_counter()
         nb = notebook(name, available[name])
         if not args.no_execute:
             print(f"running {name} ...", flush=True)
+            digest = inputs_sha256(name)  # before the run: a file edited meanwhile makes the notebook stale
             try:
                 execute(nb)
+                nb.metadata["course"] = {"inputs_sha256": digest}
             except Exception as e:  # keep the last good notebook; say which cell failed
                 print(f"{name}: FAILED, {HERE / (name + '.ipynb')} left unchanged\n{e}", file=sys.stderr)
                 return 1

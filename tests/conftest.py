@@ -106,6 +106,7 @@ def dataset():
 # ------------------------------------------------------------------------- where the suite's time goes
 
 _seconds_per_file = {}
+_notebooks = {}  # "executed" or "unchanged": how tests/test_notebooks.py checked each notebook
 
 
 def pytest_runtest_logreport(report):
@@ -113,6 +114,9 @@ def pytest_runtest_logreport(report):
     worker's reports)."""
     path = report.nodeid.split("::")[0]
     _seconds_per_file[path] = _seconds_per_file.get(path, 0.0) + report.duration
+    for key, value in report.user_properties:
+        if key == "notebook" and report.when == "call":
+            _notebooks[value] = _notebooks.get(value, 0) + 1
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -124,3 +128,7 @@ def pytest_terminal_summary(terminalreporter, config):
     for path, seconds in sorted(_seconds_per_file.items(), key=lambda kv: -kv[1])[:15]:
         terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:4.1f} %  {path}")
     terminalreporter.write_line(f"{total:8.1f} s  in all, {len(_seconds_per_file)} files")
+    if _notebooks:
+        terminalreporter.write_line(
+            f"notebooks: {_notebooks.get('executed', 0)} executed; {_notebooks.get('unchanged', 0)} unchanged since "
+            f"their committed run, checked without executing (COURSE_EXECUTE_NOTEBOOKS=all executes them)")

@@ -7,6 +7,7 @@ the `--options` it passes, including those held in variables the notebook assign
 """
 import ast
 import functools
+import os
 import re
 import sys
 
@@ -158,6 +159,7 @@ def test_notebook_is_committed_with_outputs_of_a_real_run(name):
     assert "$ python" in printed, "the lesson's command and output are shown"
     assert re.search(r"^FULL_SIZE = False\b", code_of(nb), re.M), "the one visible switch, off"
     assert (NOTEBOOKS / f"{name}.ipynb").stat().st_size < MAX_NOTEBOOK_BYTES
+    assert build_notebooks.recorded_sha256(NOTEBOOKS / f"{name}.ipynb"), "executed by build_notebooks.py"
 
 
 @pytest.mark.parametrize("name", notebook_names())
@@ -220,14 +222,56 @@ def execute(nb, timeout=CELL_TIMEOUT):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", notebook_names())
-def test_notebook_executes_headless(name, dataset):
-    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+def test_notebook_executes_headless(name, dataset, request):
+    """Executed here, with fresh outputs, whenever any file that can change its outputs changed since its
+    committed run (build_notebooks.inputs(): the notebook, the scripts it names, everything of course/ and
+    data_tools/ they import, the pinned requirements).  A notebook whose inputs are byte for byte those of its
+    committed run is not executed again: its committed outputs are a run of exactly this code, made by
+    build_notebooks.py with the same nbclient, and they are checked instead.  COURSE_EXECUTE_NOTEBOOKS=all
+    executes every notebook.  The run's last lines count both kinds."""
+    path = NOTEBOOKS / f"{name}.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    unchanged = build_notebooks.recorded_sha256(path) == build_notebooks.inputs_sha256(name)
+    if unchanged and os.environ.get("COURSE_EXECUTE_NOTEBOOKS") != "all":
+        request.node.user_properties.append(("notebook", "unchanged"))
+        outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+        assert all(c.execution_count for c in nb.cells if c.cell_type == "code")
+        assert not [o for o in outputs if o.output_type == "error"]
+        assert lessons()[name] in "".join(o.get("text", "") for o in outputs), "the lesson ran (its command)"
+        return
+    request.node.user_properties.append(("notebook", "executed"))
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
     execute(nb)
     printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert f"{lessons()[name]}" in printed, "the lesson ran (its command is printed)"
+
+
+def test_the_inputs_digest_changes_with_any_file_a_notebook_depends_on(tmp_path, monkeypatch):
+    """A copy of the repository: changing a module the notebook's lesson imports, one its launcher preloads by
+    name (course/gc_paused.py), or the pinned requirements changes the digest; a page of the docs does not."""
+    import shutil
+
+    for part in ("course", "data_tools", "day1", "day2", "day3", "slurm", "notebooks"):
+        shutil.copytree(REPO / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__", "*.ipynb"))
+    for req in REPO.glob("requirements*.txt"):
+        shutil.copy(req, tmp_path)
+    monkeypatch.setattr(build_notebooks, "REPO", tmp_path)
+    monkeypatch.setattr(build_notebooks, "HERE", tmp_path / "notebooks")
+    monkeypatch.setattr(build_notebooks, "SRC", tmp_path / "notebooks" / "src")
+    name = "6_mnist_ddp_pt"
+    names = {p.relative_to(tmp_path).as_posix() for p in build_notebooks.inputs(name)}
+    assert {"day1/6_mnist_ddp_pt.py", "course/models.py", "course/gc_paused.py", "data_tools/datasets.py",
+            "notebooks/nbhelpers.py", "notebooks/src/6_mnist_ddp_pt.py", "requirements.txt"} <= names
+    before = build_notebooks.inputs_sha256(name)
+    (tmp_path / "README.md").write_text("changed")
+    assert build_notebooks.inputs_sha256(name) == before
+    for changed in ("course/models.py", "course/gc_paused.py", "requirements.txt"):
+        with open(tmp_path / changed, "a") as f:
+            f.write("\n# changed\n")
+        assert build_notebooks.inputs_sha256(name) != before, changed
+        before = build_notebooks.inputs_sha256(name)
 
 
 @pytest.mark.slow
