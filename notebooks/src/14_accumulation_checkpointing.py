@@ -111,9 +111,10 @@ md(f"After {acc['steps']} steps the weights of *accumulated* differ from *one ba
    f"{acc['allreduce_bytes_per_sample'] / small['allreduce_bytes_per_sample']:.3g}x, 1/K with K = {acc['accumulate']}.")
 
 # %% [markdown]
-# What accumulation costs: K micro-batches take K times one micro-batch's compute, so a step of *accumulated*
-# takes about as long as K steps of *small batch*. The times are the median time of an optimizer step (the
-# evaluation of the test set at the end left out).
+# What accumulation costs: a step of *accumulated* computes K micro-batches, as K steps of *small batch* do,
+# but it all_reduces and updates the weights once instead of K times, so it takes up to K times as long as one
+# step of *small batch* (less, by what the K - 1 saved all_reduces and optimizer steps cost). The times are the
+# median time of an optimizer step (the evaluation of the test set at the end left out).
 
 # %%
 speed = {name: r["global_batch_size"] / r["step_seconds"] for name, r in m.items()}
