@@ -84,6 +84,45 @@ def metrics(run_dir) -> dict:
     return json.loads((Path(run_dir) / "metrics.json").read_text())
 
 
+@pytest.fixture
+def lesson_main(monkeypatch):
+    """Run a lesson's `if __name__ == "__main__"` block in this process, as `python script args...` would,
+    for errors found before any rank starts: the same parser, checks and messages, without the seconds of a
+    fresh interpreter importing torch.  Starting ranks would be a test failure."""
+    import contextlib
+    import io
+    import runpy
+    import signal
+    from types import SimpleNamespace
+
+    import torch
+
+    import course.launch
+
+    def never(*_, **__):
+        raise AssertionError("the lesson started its ranks: the bad input was not caught")
+
+    monkeypatch.setattr(course.launch, "_run", never)  # one rank in this process (torchrun, srun, --nproc 1)
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", never)  # ranks spawned by --nproc N
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+    def main(script, *args, env=None):
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setattr(sys, "argv", [str(REPO / script), *map(str, args)])
+        previous, err = signal.getsignal(signal.SIGUSR1), io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                runpy.run_path(str(REPO / script), run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        return SimpleNamespace(returncode=code, stderr=err.getvalue())
+    return main
+
+
 @pytest.fixture(scope="session")
 def gpus() -> int:
     """How many CUDA GPUs the tests marked gpu may use (GPU_ENV); skips the test where there is none."""

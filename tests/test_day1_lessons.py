@@ -123,10 +123,8 @@ def equal_runs(tmp_path_factory, dataset):
                                     ("ddp", "day1/6_mnist_ddp_pt.py", [])):
             if world == 4 and name == "flat":
                 continue  # the flat variant is covered at world size 2; keeps the suite short
-            d = root / f"{name}-{world}"
-            launcher = "torchrun" if name == "ddp" and world == 4 else "self"
-            lesson(script, *common, *extra, "--batch-size", str(b), "--run-dir", d,
-                   *(["--nproc", str(world)] if launcher == "self" else []), launcher=launcher, nproc=world)
+            d = root / f"{name}-{world}"  # own launcher (torchrun: test_ddp_lessons_under_torchrun_...)
+            lesson(script, *common, *extra, "--batch-size", str(b), "--run-dir", d, "--nproc", str(world))
             runs[name, world] = d
     return root / "l2", runs
 
@@ -207,8 +205,10 @@ def test_ddp_lessons_under_torchrun_count_every_test_image_once(dataset, tmp_pat
     (["--model", "resnet"], "invalid choice: 'resnet'"),
     (["--lr", "0"], "--lr: 0.0 must be greater than 0"),
 ])
-def test_bad_input_is_one_line_and_exit_2(args, says):
-    proc = run([PYTHON, REPO / "day1/4_mnist_manual_ddp.py", *args], check=False, timeout=60)
+def test_bad_input_is_one_line_and_exit_2(lesson_main, args, says):
+    """In this process (the parser and checks of `python day1/4_mnist_manual_ddp.py ARGS`); the exit code a
+    shell sees for one of them is checked end to end by tests/test_notebooks.py (--epochs 0)."""
+    proc = lesson_main("day1/4_mnist_manual_ddp.py", *args)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and says in proc.stderr, proc.stderr
 

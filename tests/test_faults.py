@@ -11,19 +11,14 @@
 - A finished rank leaves no gloo thread running into interpreter shutdown, where it can abort the process.
 """
 import ast
-import contextlib
-import io
 import json
 import os
 import re
-import runpy
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -45,37 +40,6 @@ def one_line(proc, code, *phrases):
     for phrase in phrases:
         assert phrase in lines[0], f"{phrase!r} not in: {lines[0]}"
     return lines[0]
-
-
-@pytest.fixture
-def lesson_main(monkeypatch):
-    """Run a lesson's `if __name__ == "__main__"` block in this process, as `python script args...` would,
-    for errors found before any rank starts: the same parser, checks and messages, without the seconds of a
-    fresh interpreter importing torch.  Starting ranks would be a test failure."""
-    import course.launch
-
-    def never(*_, **__):
-        raise AssertionError("the lesson started its ranks: the bad input was not caught")
-
-    monkeypatch.setattr(course.launch, "_run", never)  # one rank in this process (torchrun, srun, --nproc 1)
-    monkeypatch.setattr(torch.multiprocessing, "start_processes", never)  # ranks spawned by --nproc N
-    monkeypatch.setattr(sys, "path", list(sys.path))
-
-    def main(script, *args, env=None):
-        for key, value in (env or {}).items():
-            monkeypatch.setenv(key, value)
-        monkeypatch.setattr(sys, "argv", [str(REPO / script), *map(str, args)])
-        previous, err = signal.getsignal(signal.SIGUSR1), io.StringIO()
-        try:
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                runpy.run_path(str(REPO / script), run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        finally:
-            signal.signal(signal.SIGUSR1, previous)
-        return SimpleNamespace(returncode=code, stderr=err.getvalue())
-    return main
 
 
 def files_under(path: Path) -> list:
@@ -138,13 +102,13 @@ def environ(pid: int) -> dict:
 # lesson, launcher, extra arguments, what shows that training has started (a line, or: its sockets are up).
 # One case per way the survivors meet the dead rank: lesson 3's broadcast, lesson 4's own all_reduce, lesson
 # 5's under the profiler, DDP's buckets (lesson 6; lessons 7 and 8 train through the same DDP wrap and
-# launcher), lesson 12's stop-flag all_reduce, and torchrun's agent for one and two nodes' lessons.
+# launcher), lesson 12's stop-flag all_reduce, and torchrun's agent (lesson 10; lesson 12 under torchrun with
+# a killed rank: tests/test_fault_tolerance.py, where torchrun restarts it).
 KILL_CASES = [
     ("day1/3_mnist_distributed.py", "self", ["--epochs", "1000"], None),
     ("day1/4_mnist_manual_ddp.py", "self", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
     ("day1/6_mnist_ddp_pt.py", "self", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
     ("day2/12_ddp_fault_tolerance.py", "self", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
-    ("day2/12_ddp_fault_tolerance.py", "torchrun", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
     ("day1/5_mnist_manual_ddp_profile.py", "self", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
     ("day2/10_mnist_ddp_pt_multinode.py", "torchrun", ["--epochs", "1000"], r"^\[rank 0\] epoch 0:"),
 ]
