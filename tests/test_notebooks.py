@@ -250,7 +250,7 @@ def test_notebook_executes_headless(name, dataset, request):
 
 def test_the_inputs_digest_changes_with_any_file_a_notebook_depends_on(tmp_path, monkeypatch):
     """A copy of the repository: changing a module the notebook's lesson imports, one its launcher preloads by
-    name (course/gc_paused.py), or the pinned requirements changes the digest; a page of the docs does not."""
+    name (course/gc_paused.py), or the pinned requirements changes the digest; a README does not."""
     import shutil
 
     for part in ("course", "data_tools", "day1", "day2", "day3", "slurm", "notebooks"):
