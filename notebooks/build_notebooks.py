@@ -148,14 +148,15 @@ def inputs_sha256(name: str) -> str:
     return digest.hexdigest()
 
 
-def recorded_sha256(path: Path):
+def recorded_sha256(nb: nbformat.NotebookNode):
     """The inputs digest an executed notebook was committed with (None: never executed by this script)."""
-    return nbformat.read(path, as_version=4).metadata.get("course", {}).get("inputs_sha256")
+    return nb.metadata.get("course", {}).get("inputs_sha256")
 
 
 def stale(names) -> list:
     """The notebooks whose committed outputs are not a run of the current code."""
-    return [n for n in names if recorded_sha256(HERE / f"{n}.ipynb") != inputs_sha256(n)]
+    return [n for n in names
+            if recorded_sha256(nbformat.read(HERE / f"{n}.ipynb", as_version=4)) != inputs_sha256(n)]
 
 
 def resolve(names, available) -> list:

@@ -206,8 +206,9 @@ def test_ddp_lessons_under_torchrun_count_every_test_image_once(dataset, tmp_pat
     (["--lr", "0"], "--lr: 0.0 must be greater than 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(lesson_main, args, says):
-    """In this process (the parser and checks of `python day1/4_mnist_manual_ddp.py ARGS`); the exit code a
-    shell sees for one of them is checked end to end by tests/test_notebooks.py (--epochs 0)."""
+    """In this process (the parser and checks of `python day1/4_mnist_manual_ddp.py ARGS`).  End to end, in a
+    fresh interpreter: exit 2 from the same parser in tests/test_faults.py (lesson 12 --nproc 0), and lesson 4
+    with --epochs 0 failing its notebook cell in tests/test_notebooks.py."""
     proc = lesson_main("day1/4_mnist_manual_ddp.py", *args)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and says in proc.stderr, proc.stderr

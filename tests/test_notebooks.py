@@ -159,7 +159,7 @@ def test_notebook_is_committed_with_outputs_of_a_real_run(name):
     assert "$ python" in printed, "the lesson's command and output are shown"
     assert re.search(r"^FULL_SIZE = False\b", code_of(nb), re.M), "the one visible switch, off"
     assert (NOTEBOOKS / f"{name}.ipynb").stat().st_size < MAX_NOTEBOOK_BYTES
-    assert build_notebooks.recorded_sha256(NOTEBOOKS / f"{name}.ipynb"), "executed by build_notebooks.py"
+    assert build_notebooks.recorded_sha256(nb), "executed by build_notebooks.py"
 
 
 @pytest.mark.parametrize("name", notebook_names())
@@ -229,9 +229,8 @@ def test_notebook_executes_headless(name, dataset, request):
     committed run is not executed again: its committed outputs are a run of exactly this code, made by
     build_notebooks.py with the same nbclient, and they are checked instead.  COURSE_EXECUTE_NOTEBOOKS=all
     executes every notebook.  The run's last lines count both kinds."""
-    path = NOTEBOOKS / f"{name}.ipynb"
-    nb = nbformat.read(path, as_version=4)
-    unchanged = build_notebooks.recorded_sha256(path) == build_notebooks.inputs_sha256(name)
+    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    unchanged = build_notebooks.recorded_sha256(nb) == build_notebooks.inputs_sha256(name)
     if unchanged and os.environ.get("COURSE_EXECUTE_NOTEBOOKS") != "all":
         request.node.user_properties.append(("notebook", "unchanged"))
         outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
