@@ -144,6 +144,28 @@ def dataset():
 
 # ------------------------------------------------------------------------- where the suite's time goes
 
+# The test files that take longest, longest first (worker-seconds of a whole run with two workers, 2-core
+# machine, 2026-11-25): run_tests.sh hands whole files to the workers in collection order
+# (--dist loadfile --no-loadscope-reorder), and starting the long ones first keeps every worker busy to the
+# end instead of leaving one long file running alone at the end.  The other files follow in their usual order.
+LONGEST_FIRST = [
+    "test_solutions_day1.py",  # 363 s
+    "test_solutions_day3.py",  # 361
+    "test_fault_tolerance.py",  # 334
+    "test_faults.py",  # 288
+    "test_slurm_launchers.py",  # 272
+    "test_day1_lessons.py",  # 261
+    "test_solutions_day2.py",  # 164
+    "test_day2_slurm.py",  # 121
+    "test_lesson8_lr.py",  # 116
+    "test_day3_fsdp.py", "test_benchmark.py", "test_day3_hangs.py", "test_day3_dcp.py",  # 104-106
+]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
 _seconds_per_file = {}
 _notebooks = {}  # "executed" or "unchanged": how tests/test_notebooks.py checked each notebook
 

@@ -1,0 +1,99 @@
+"""Reading and running the exercises' solutions (solutions/<notebook>.md), for the checks in
+tests/test_solutions_day1.py, _day2.py and _day3.py (tests/test_solutions.py checks that every exercise has one).
+
+A check runs the commands of its section's first ```bash block, as written there (`python` is this
+interpreter, `torchrun` is `python -m torch.distributed.run`, with `--standalone` added when a command names
+no rendezvous, `runs/...` is a temporary directory, `VAR=value` prefixes are the command's environment), and
+checks what the solution says the learner should see.
+"""
+import json
+import re
+import shlex
+import subprocess
+import socket
+from pathlib import Path
+
+from conftest import PYTHON, REPO, run
+
+SOLUTIONS = REPO / "solutions"
+NOTEBOOK_SOURCES = REPO / "notebooks" / "src"
+
+
+# ------------------------------------------------------------------------------------------ reading solutions
+
+def exercises_in_notebook(name) -> int:
+    """How many numbered items the notebook's "Try it yourself" section has."""
+    text = (NOTEBOOK_SOURCES / f"{name}.py").read_text()
+    if "## Try it yourself" not in text:
+        return 0
+    section = text.split("## Try it yourself", 1)[1].split("# %%", 1)[0]
+    return len(re.findall(r"^# (?:\d+\.|-) ", section, re.M))  # numbered items, or bullets
+
+
+def sections(name) -> dict:
+    """{exercise number: its section's text} of solutions/<name>.md."""
+    text = (SOLUTIONS / f"{name}.md").read_text()
+    parts = re.split(r"^## (\d+)\. .*$", text, flags=re.M)
+    return {int(n): body for n, body in zip(parts[1::2], parts[2::2])}
+
+
+def commands(name, n) -> list:
+    """The command lines of the first ```bash block of exercise n."""
+    block = re.search(r"```bash\n(.*?)```", sections(name)[n], re.S)
+    assert block, f"solutions/{name}.md, exercise {n}: no ```bash block"
+    return [l.split("  #")[0].strip() for l in block.group(1).splitlines() if l.strip()]
+
+
+def argv(line, tmp) -> tuple:
+    """(argv, environment changes) for a solution's command line."""
+    words = shlex.split(line)
+    env = {}
+    while words and re.match(r"^[A-Z_]+=", words[0]):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    words = [str(tmp / w[len("runs/"):]) if w.startswith("runs/") else w for w in words]
+    if words[0] == "python":
+        words[0] = PYTHON
+    elif words[0] == "torchrun":
+        rest = words[1:]
+        if not any(w.startswith(("--standalone", "--master_port", "--rdzv")) for w in rest):
+            rest = ["--standalone", *rest]
+        words = [PYTHON, "-m", "torch.distributed.run", *rest]
+    return words, env
+
+
+def run_solution(name, n, tmp, line=0, env=None, **kw) -> subprocess.CompletedProcess:
+    cmd, own = argv(commands(name, n)[line], tmp)
+    return run(cmd, env={**own, **(env or {})}, **kw)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(run_dir) -> dict:
+    return json.loads((Path(run_dir) / "metrics.json").read_text())
+
+
+def weights(path):
+    from course.output import load_weights
+
+    return load_weights(path)
+
+
+# ------------------------------------------------------------------------------------------ every exercise has one
+
+CHECKED = {}  # (notebook, exercise) -> test function name, filled by @solution
+
+
+def solution(name, n):
+    def mark(fn):
+        CHECKED[(name, n)] = fn.__name__
+        return fn
+    return mark
+
+
+def notebooks_with_exercises() -> list:
+    return sorted(p.stem for p in NOTEBOOK_SOURCES.glob("*.py") if exercises_in_notebook(p.stem))

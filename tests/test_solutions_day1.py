@@ -1,0 +1,219 @@
+"""The solutions of lessons 0-8's exercises do what they say (tests/test_solutions.py: how).
+"""
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, max_rel_diff, run
+from solutions_check import argv, commands, free_port, metrics, run_solution, solution, weights
+
+
+# ------------------------------------------------------------------------------------------ lesson 0
+
+@solution("0_torch_dist", 1)
+def test_0_1_more_processes_than_cores(tmp_path):
+    out = run_solution("0_torch_dist", 1, tmp_path).stdout  # lesson 0 under its own launcher
+    assert sorted(re.findall(r"\[rank (\d)\] all_reduce\(SUM\) = 36, mean = 4\.5", out)) == [str(r) for r in range(8)]
+
+
+@solution("0_torch_dist", 2)
+@pytest.mark.slow
+def test_0_2_one_rank_alone_waits_then_stops(tmp_path):
+    line = commands("0_torch_dist", 2)[0].replace("29533", str(free_port()))
+    cmd, env = argv(line, tmp_path)
+    start = time.monotonic()
+    proc = run(cmd, env=env, check=False, timeout=120)
+    assert proc.returncode == 1
+    assert time.monotonic() - start > 9, "it waited for the other rank"
+    assert "within --timeout" in proc.stderr + proc.stdout and "1/2 clients joined" in proc.stderr + proc.stdout
+
+
+@solution("0_torch_dist", 3)
+def test_0_3_torchrun(tmp_path):
+    out = run_solution("0_torch_dist", 3, tmp_path).stdout  # lesson 0 under torchrun
+    assert sorted(re.findall(r"\[rank (\d)\] all_reduce\(SUM\) = 10, mean = 2\.5", out)) == ["0", "1", "2", "3"]
+
+
+# ------------------------------------------------------------------------------------------ lesson 1
+
+@solution("1_torch_dist_gpu", 1)
+@pytest.mark.gpu
+def test_1_1_four_nccl_ranks():
+    pytest.skip("needs a node with 4 GPUs (solutions/1_torch_dist_gpu.md says so)")
+
+
+@solution("1_torch_dist_gpu", 2)
+@pytest.mark.gpu
+def test_1_2_nccl_debug():
+    pytest.skip("needs a GPU node with several GPUs (solutions/1_torch_dist_gpu.md says so)")
+
+
+@solution("1_torch_dist_gpu", 3)
+def test_1_3_gloo_anywhere(tmp_path):
+    out = run_solution("1_torch_dist_gpu", 3, tmp_path).stdout
+    assert len(re.findall(r"\[rank \d\] of 3 on cpu", out)) == 3
+    assert len(re.findall(r"all_reduce\(SUM\) = 6, mean = 2\b", out)) == 3
+
+
+# ------------------------------------------------------------------------------------------ lesson 2
+
+@solution("2_mnist_training", 1)
+@pytest.mark.slow
+def test_2_1_the_cnn_is_slower_and_behind_after_200_steps(tmp_path, dataset):
+    run_solution("2_mnist_training", 1, tmp_path, line=0)
+    run_solution("2_mnist_training", 1, tmp_path, line=1)
+    cnn, mlp = metrics(tmp_path / "solutions/2-cnn"), metrics(tmp_path / "solutions/2-mlp")
+    assert cnn["steps"] == mlp["steps"] == 200
+    # "many times the MLP's seconds": above 3x in this suite's earlier runs, 2.9x once next to the other worker
+    assert cnn["train_seconds"] > 1.5 * mlp["train_seconds"]
+    assert cnn["test_accuracy"] < mlp["test_accuracy"]
+
+
+@solution("2_mnist_training", 2)
+def test_2_2_batch_128_takes_half_the_steps(tmp_path, dataset):
+    out = run_solution("2_mnist_training", 2, tmp_path).stdout
+    assert "trained 100 steps (12800 samples)" in out
+    assert "test accuracy 0.7925" in out  # lesson 4's 2 ranks x 64 (solutions/4_mnist_manual_ddp.md)
+
+
+# ------------------------------------------------------------------------------------------ lesson 3
+
+@solution("3_mnist_distributed", 1)
+def test_3_1_a_seed_per_rank_makes_different_models(tmp_path, dataset):
+    edit, train = commands("3_mnist_distributed", 1)
+    assert edit.startswith("sed ") and "args.seed + rank" in edit
+    copy = tmp_path / "day1" / "3_seed_per_rank.py"
+    copy.parent.mkdir()
+    source = (REPO / "day1/3_mnist_distributed.py").read_text()
+    assert "build_model(args.model, args.seed)" in source
+    copy.write_text(source.replace("build_model(args.model, args.seed)", "build_model(args.model, args.seed + rank)"))
+    cmd, env = argv(train.replace("day1/3_seed_per_rank.py", str(copy)), tmp_path)
+    out = run(cmd, env={**env, "PYTHONPATH": str(REPO)}).stdout
+    assert "identical weights on all 2 ranks: False; identical data order: True" in out
+
+
+# ------------------------------------------------------------------------------------------ lesson 4
+
+@solution("4_mnist_manual_ddp", 1)
+def test_4_1_flat_sync_gives_the_same_result(tmp_path, dataset):
+    out = run_solution("4_mnist_manual_ddp", 1, tmp_path).stdout
+    assert "global batch 128; test accuracy 0.7925" in out
+    # lesson 4 under torchrun: the 2 ranks split the test set and count every image once
+    assert metrics(tmp_path / "solutions/4-flat")["world_size"] == 2
+    assert "(10000 test images, each counted once)" in out
+
+
+@solution("4_mnist_manual_ddp", 2)
+@pytest.mark.slow
+def test_4_2_three_ranks_pad_one_sample(tmp_path, dataset):
+    run_solution("4_mnist_manual_ddp", 2, tmp_path)
+    shards = json.loads((tmp_path / "solutions/4-three/shards.json").read_text())["shards"]
+    seen = [i for shard in shards for i in shard]
+    assert [len(s) for s in shards] == [4267] * 3
+    assert (len(seen), len(set(seen))) == (12801, 12800)
+
+
+# ------------------------------------------------------------------------------------------ lesson 5
+
+def comm(log_dir):
+    from course.profiling import comm_summary
+
+    return comm_summary(log_dir)
+
+
+@solution("5_mnist_manual_ddp_profile", 1)
+@pytest.mark.slow
+def test_5_1_the_cnn_moves_fewer_bytes(tmp_path, dataset):
+    # The bytes are exact.  Times are not asserted (the benchmark measures speed): the share of the step
+    # spent in the all_reduce includes waiting for the other rank and moves with the machine's load.
+    run_solution("5_mnist_manual_ddp_profile", 1, tmp_path, line=0)
+    run_solution("5_mnist_manual_ddp_profile", 1, tmp_path, line=1)
+    cnn, mlp = comm(tmp_path / "solutions/5-cnn/log"), comm(tmp_path / "solutions/5-mlp/log")
+    assert round(cnn["bytes_per_step"] / 1000, 1) == 177.7 and round(mlp["bytes_per_step"] / 1000, 1) == 407.1
+
+
+@solution("5_mnist_manual_ddp_profile", 2)
+@pytest.mark.slow
+def test_5_2_a_small_cap_splits_the_mlp_in_two(tmp_path, dataset):
+    out = run_solution("5_mnist_manual_ddp_profile", 2, tmp_path).stdout
+    assert re.search(r"^ddp\s+2\.0\s+407\.1", out, re.M), out
+
+
+@solution("5_mnist_manual_ddp_profile", 3)
+@pytest.mark.slow
+def test_5_3_three_cnn_buckets_overlap_backward(tmp_path, dataset):
+    out = run_solution("5_mnist_manual_ddp_profile", 3, tmp_path).stdout
+    assert re.search(r"^ddp\s+3\.0\s+177\.7", out, re.M), out
+    assert comm(tmp_path / "solutions/5-overlap/log")["overlap_fraction"] > 0.05
+
+
+# ------------------------------------------------------------------------------------------ lesson 6
+
+@solution("6_mnist_ddp_pt", 1)
+def test_6_1_two_buckets_give_the_same_weights(tmp_path, dataset):
+    out = run_solution("6_mnist_ddp_pt", 1, tmp_path, line=0).stdout
+    # lesson 6 under torchrun: the 2 ranks split the test set and count every image once, and it learns
+    m = metrics(tmp_path / "solutions/6-default")
+    assert m["world_size"] == 2 and m["test_accuracy"] > 0.7 and "(10000 test images, each counted once)" in out
+    run_solution("6_mnist_ddp_pt", 1, tmp_path, line=1)
+    a, b = weights(tmp_path / "solutions/6-default/model.pt"), weights(tmp_path / "solutions/6-buckets/model.pt")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+
+
+@solution("6_mnist_ddp_pt", 2)
+@pytest.mark.slow
+def test_6_2_the_cnn_under_ddp_and_lesson_4(tmp_path, dataset):
+    run_solution("6_mnist_ddp_pt", 2, tmp_path, line=0)
+    run_solution("6_mnist_ddp_pt", 2, tmp_path, line=1)
+    a, b = weights(tmp_path / "solutions/6-cnn/model.pt"), weights(tmp_path / "solutions/6-cnn-lesson4/model.pt")
+    assert max_rel_diff(a, b) == 0.0
+    assert metrics(tmp_path / "solutions/6-cnn")["test_accuracy"] == \
+        metrics(tmp_path / "solutions/6-cnn-lesson4")["test_accuracy"]
+
+
+# ------------------------------------------------------------------------------------------ lesson 7
+
+def scaling(run_dir) -> dict:
+    import csv
+
+    with open(Path(run_dir) / "scaling.csv", newline="") as f:
+        return {int(r["world_size"]): r for r in csv.DictReader(f)}
+
+
+@solution("7_mnist_ddp_pt_timing", 1)
+@pytest.mark.slow
+def test_7_1_a_larger_batch_shrinks_the_share_of_communication(tmp_path, dataset):
+    env = {"OMP_NUM_THREADS": None}  # the lesson's own threads per rank, as in a terminal
+    run_solution("7_mnist_ddp_pt_timing", 1, tmp_path, line=0, env=env)
+    run_solution("7_mnist_ddp_pt_timing", 1, tmp_path, line=1, env=env)
+    b64, b1024 = scaling(tmp_path / "solutions/7-b64"), scaling(tmp_path / "solutions/7-b1024")
+    assert float(b1024[2]["comm_share"]) < float(b64[2]["comm_share"])
+
+
+@solution("7_mnist_ddp_pt_timing", 2)
+def test_7_2_each_torchrun_call_adds_a_row(tmp_path, dataset):
+    run_solution("7_mnist_ddp_pt_timing", 2, tmp_path, line=0)
+    run_solution("7_mnist_ddp_pt_timing", 2, tmp_path, line=1)
+    rows = scaling(tmp_path / "solutions/7-torchrun")
+    assert sorted(rows) == [1, 2] and rows[2]["speedup"]
+    assert len((tmp_path / "solutions/7-torchrun/timings.csv").read_text().strip().splitlines()) == 3
+
+
+# ------------------------------------------------------------------------------------------ lesson 8
+
+@solution("8_mnist_ddp_pt_lr", 1)
+@solution("8_mnist_ddp_pt_lr", 2)
+@pytest.mark.slow
+def test_8_more_ranks_lag_further_without_scaling_and_the_scaled_lr_catches_up(tmp_path, dataset):
+    run_solution("8_mnist_ddp_pt_lr", 1, tmp_path, line=0)
+    two = metrics(tmp_path / "solutions/8")["deviation"]["mean"]
+    run_solution("8_mnist_ddp_pt_lr", 1, tmp_path, line=1)
+    four = metrics(tmp_path / "solutions/8")["deviation"]["mean"]
+    assert four > two > 0
+    run_solution("8_mnist_ddp_pt_lr", 2, tmp_path)  # the same run dir: the same reference
+    scaled = metrics(tmp_path / "solutions/8")
+    assert scaled["lr"] == pytest.approx(0.04)
+    assert abs(scaled["deviation"]["mean"]) < four / 2
