@@ -115,8 +115,8 @@ def _module_files(module: str) -> list:
 def inputs(name: str) -> list:
     """Every repository file the outputs of notebook `name` can depend on: its source, nbhelpers.py, the files
     they name (lesson scripts, launchers, the scripts those name in turn), everything of course/ and
-    data_tools/ these import or name as a module ("course.gc_paused"), followed file by file, and the
-    requirement files (the pinned torch)."""
+    data_tools/ these import or name as a module ("course.gc_paused"), followed file by file, the
+    requirement files, and constraints.txt (the exact torch and torchvision a venv of the course gets)."""
     todo, seen = [SRC / f"{name}.py", HERE / "nbhelpers.py"], set()
     while todo:
         path = todo.pop()
@@ -138,7 +138,7 @@ def inputs(name: str) -> list:
             for module in modules:
                 if module.split(".")[0] in OUR_PACKAGES:
                     todo += _module_files(module)
-    return sorted(seen | set(REPO.glob("requirements*.txt")))
+    return sorted(seen | set(REPO.glob("requirements*.txt")) | {REPO / "constraints.txt"})
 
 
 def inputs_sha256(name: str) -> str:

@@ -15,8 +15,10 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$REPO/.venv}"
 PY="$VENV/bin/python"
 DATASET="${DATASET:-fashion-mnist}"
-# What pip installs (requirements.txt, -test, -docs), and what the venv's stamp records: a change reinstalls.
+# What pip installs (requirements.txt, -test, -docs), the releases a venv of its own gets (constraints.txt),
+# and what the venv's stamp records: a change reinstalls.
 REQUIREMENTS=("$REPO"/requirements*.txt)
+CONSTRAINTS="$REPO/constraints.txt"
 
 say() { printf '==> %s\n' "$*"; }
 
@@ -44,7 +46,7 @@ if [ -x "$PY" ]; then
 fi
 
 stamp="$VENV/.course-requirements"
-want="$(cat "${REQUIREMENTS[@]}" | sha256sum | cut -c1-16)"
+want="$(cat "${REQUIREMENTS[@]}" "$CONSTRAINTS" | sha256sum | cut -c1-16)"
 have="$(cat "$stamp" 2>/dev/null || true)"
 
 if [ "$read_only" = 1 ]; then
@@ -65,13 +67,13 @@ if [ "$read_only" = 1 ]; then
   fi
 elif [ ! -x "$PY" ] || [ "$have" != "$want" ]; then
   # The site's torch, checked before anything is made: importable, with metadata pip can see, recent enough.
-  torch_pin=()
+  pins=(--constraint="$CONSTRAINTS")  # a venv of its own: the tested torch and torchvision
   if [ "$system_torch" = 1 ]; then
     base="$PY"; [ -x "$base" ] || base="${PYTHON:-python3}"
     torch_version="$("$base" "$REPO/scripts/requirements_check.py" --site-torch "$REPO/requirements.txt")" || exit 1
     # pip keeps the site's torch: without this pin, torchvision's newest release (which requires its own torch
     # release) would make pip download a second torch of ~6 GB into the venv
-    torch_pin=("torch==$torch_version")
+    pins=("torch==$torch_version")
   fi
 
   # Before a first install, enough free disk: PyTorch (with its CUDA libraries) is about 6 GB in the venv,
@@ -107,7 +109,7 @@ elif [ ! -x "$PY" ] || [ "$have" != "$want" ]; then
     say "installing requirements into $VENV (torch is large: a few minutes the first time)"
   fi
   "$PY" -m pip install --quiet --upgrade pip
-  "$PY" -m pip install --quiet ${torch_pin[@]+"${torch_pin[@]}"} "${REQUIREMENTS[@]/#/--requirement=}"  # (bash < 4.4: empty arrays)
+  "$PY" -m pip install --quiet ${pins[@]+"${pins[@]}"} "${REQUIREMENTS[@]/#/--requirement=}"  # (bash < 4.4: empty arrays)
   echo "$want" > "$stamp"
 fi
 

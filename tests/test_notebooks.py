@@ -225,10 +225,10 @@ def execute(nb, timeout=CELL_TIMEOUT):
 def test_notebook_executes_headless(name, dataset, request):
     """Executed here, with fresh outputs, whenever any file that can change its outputs changed since its
     committed run (build_notebooks.inputs(): the notebook, the scripts it names, everything of course/ and
-    data_tools/ they import, the pinned requirements).  A notebook whose inputs are byte for byte those of its
-    committed run is not executed again: its committed outputs are a run of exactly this code, made by
-    build_notebooks.py with the same nbclient, and they are checked instead.  COURSE_EXECUTE_NOTEBOOKS=all
-    executes every notebook.  The run's last lines count both kinds."""
+    data_tools/ they import, the requirements and the pinned torch of constraints.txt).  A notebook whose
+    inputs are byte for byte those of its committed run is not executed again: its committed outputs are a run
+    of exactly this code, made by build_notebooks.py with the same nbclient, and they are checked instead.
+    COURSE_EXECUTE_NOTEBOOKS=all executes every notebook.  The run's last lines count both kinds."""
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
     unchanged = build_notebooks.recorded_sha256(nb) == build_notebooks.inputs_sha256(name)
     if unchanged and os.environ.get("COURSE_EXECUTE_NOTEBOOKS") != "all":
@@ -249,12 +249,13 @@ def test_notebook_executes_headless(name, dataset, request):
 
 def test_the_inputs_digest_changes_with_any_file_a_notebook_depends_on(tmp_path, monkeypatch):
     """A copy of the repository: changing a module the notebook's lesson imports, one its launcher preloads by
-    name (course/gc_paused.py), or the pinned requirements changes the digest; a README does not."""
+    name (course/gc_paused.py), the requirements or the pinned torch (constraints.txt) changes the digest; a
+    README does not."""
     import shutil
 
     for part in ("course", "data_tools", "day1", "day2", "day3", "slurm", "notebooks"):
         shutil.copytree(REPO / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__", "*.ipynb"))
-    for req in REPO.glob("requirements*.txt"):
+    for req in [*REPO.glob("requirements*.txt"), REPO / "constraints.txt"]:
         shutil.copy(req, tmp_path)
     monkeypatch.setattr(build_notebooks, "REPO", tmp_path)
     monkeypatch.setattr(build_notebooks, "HERE", tmp_path / "notebooks")
@@ -262,11 +263,12 @@ def test_the_inputs_digest_changes_with_any_file_a_notebook_depends_on(tmp_path,
     name = "6_mnist_ddp_pt"
     names = {p.relative_to(tmp_path).as_posix() for p in build_notebooks.inputs(name)}
     assert {"day1/6_mnist_ddp_pt.py", "course/models.py", "course/gc_paused.py", "data_tools/datasets.py",
-            "notebooks/nbhelpers.py", "notebooks/src/6_mnist_ddp_pt.py", "requirements.txt"} <= names
+            "notebooks/nbhelpers.py", "notebooks/src/6_mnist_ddp_pt.py", "requirements.txt",
+            "constraints.txt"} <= names
     before = build_notebooks.inputs_sha256(name)
     (tmp_path / "README.md").write_text("changed")
     assert build_notebooks.inputs_sha256(name) == before
-    for changed in ("course/models.py", "course/gc_paused.py", "requirements.txt"):
+    for changed in ("course/models.py", "course/gc_paused.py", "requirements.txt", "constraints.txt"):
         with open(tmp_path / changed, "a") as f:
             f.write("\n# changed\n")
         assert build_notebooks.inputs_sha256(name) != before, changed

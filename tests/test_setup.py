@@ -54,7 +54,7 @@ def this_venv() -> Path:
 
 def todays_stamp() -> str:
     """What the set-up records in a venv it installed today's requirement files into."""
-    return run(["bash", "-c", "cat requirements*.txt | sha256sum | cut -c1-16"]).stdout.strip()
+    return run(["bash", "-c", "cat requirements*.txt constraints.txt | sha256sum | cut -c1-16"]).stdout.strip()
 
 
 def namespaces_or_skip(kind: str) -> None:
