@@ -166,6 +166,7 @@ def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
 
+
 _seconds_per_file = {}
 _notebooks = {}  # "executed" or "unchanged": how tests/test_notebooks.py checked each notebook
 

@@ -67,6 +67,17 @@ def run_solution(name, n, tmp, line=0, env=None, **kw) -> subprocess.CompletedPr
     return run(cmd, env={**own, **(env or {})}, **kw)
 
 
+def run_edited(line, tmp, path, source) -> subprocess.CompletedProcess:
+    """Run a solution's command `line` on an edited copy of a lesson, as the solution's edit makes it: `source`
+    written to tmp/`path` (the path the command names, e.g. "day3/14_without_no_sync.py"), with the course's
+    packages importable as from the repository root."""
+    copy = tmp / path
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_text(source)
+    cmd, env = argv(line.replace(path, str(copy)), tmp)
+    return run(cmd, env={**env, "PYTHONPATH": str(REPO)})
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

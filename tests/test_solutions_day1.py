@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, max_rel_diff, run
-from solutions_check import argv, commands, free_port, metrics, run_solution, solution, weights
+from solutions_check import argv, commands, free_port, metrics, run_edited, run_solution, solution, weights
 
 
 # ------------------------------------------------------------------------------------------ lesson 0
@@ -85,13 +85,10 @@ def test_2_2_batch_128_takes_half_the_steps(tmp_path, dataset):
 def test_3_1_a_seed_per_rank_makes_different_models(tmp_path, dataset):
     edit, train = commands("3_mnist_distributed", 1)
     assert edit.startswith("sed ") and "args.seed + rank" in edit
-    copy = tmp_path / "day1" / "3_seed_per_rank.py"
-    copy.parent.mkdir()
     source = (REPO / "day1/3_mnist_distributed.py").read_text()
     assert "build_model(args.model, args.seed)" in source
-    copy.write_text(source.replace("build_model(args.model, args.seed)", "build_model(args.model, args.seed + rank)"))
-    cmd, env = argv(train.replace("day1/3_seed_per_rank.py", str(copy)), tmp_path)
-    out = run(cmd, env={**env, "PYTHONPATH": str(REPO)}).stdout
+    seed_per_rank = source.replace("build_model(args.model, args.seed)", "build_model(args.model, args.seed + rank)")
+    out = run_edited(train, tmp_path, "day1/3_seed_per_rank.py", seed_per_rank).stdout
     assert "identical weights on all 2 ranks: False; identical data order: True" in out
 
 

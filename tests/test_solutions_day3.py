@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import REPO, environ, max_rel_diff, run
-from solutions_check import argv, commands, metrics, run_solution, sections, solution, weights
+from solutions_check import argv, commands, metrics, run_edited, run_solution, sections, solution, weights
 
 
 # ------------------------------------------------------------------------------------------ lesson 13
@@ -23,11 +23,7 @@ def test_13_1_clipping_before_unscaling_sees_scaled_gradients(tmp_path, dataset)
     i = next(n for n, l in enumerate(lines) if l.startswith(unscale))
     assert "clip_grad_norm_" in lines[i + 1]
     lines[i], lines[i + 1] = lines[i + 1], lines[i]
-    copy = tmp_path / "day3" / "13_clip_before_unscale.py"
-    copy.parent.mkdir()
-    copy.write_text("".join(lines))
-    cmd, env = argv(wrong.replace("day3/13_clip_before_unscale.py", str(copy)), tmp_path)
-    run(cmd, env={**env, "PYTHONPATH": str(REPO)})
+    run_edited(wrong, tmp_path, "day3/13_clip_before_unscale.py", "".join(lines))
     run_solution("13_mixed_precision", 1, tmp_path, line=1)
     bad, good = metrics(tmp_path / "solutions/13-wrong-order"), metrics(tmp_path / "solutions/13-fp32")
     ratio = sorted(b / g for b, g in zip(bad["grad_norm_per_step"], good["grad_norm_per_step"]))[12]
@@ -59,11 +55,8 @@ def test_14_1_without_no_sync_every_micro_batch_all_reduces_and_the_weights_stay
     source = (REPO / "day3/14_accumulation_checkpointing.py").read_text()
     sync = "with model.no_sync() if i < k - 1 else contextlib.nullcontext():"
     assert source.count(sync) == 1
-    copy = tmp_path / "day3" / "14_without_no_sync.py"
-    copy.parent.mkdir()
-    copy.write_text(source.replace(sync, "with contextlib.nullcontext():"))
-    cmd, env = argv(without.replace("day3/14_without_no_sync.py", str(copy)), tmp_path)
-    out = run(cmd, env={**env, "PYTHONPATH": str(REPO)}).stdout
+    out = run_edited(without, tmp_path, "day3/14_without_no_sync.py",
+                     source.replace(sync, "with contextlib.nullcontext():")).stdout
     assert "all_reduce per optimizer step: 4 round(s) of 4 bucket(s)" in out
     assert "all_reduce per optimizer step: 1 round(s) of 1 bucket(s)" in run_solution(
         "14_accumulation_checkpointing", 1, tmp_path, line=1).stdout
@@ -130,12 +123,9 @@ def test_15_3_adamw_doubles_the_optimizer_state(tmp_path, dataset):
     sgd = "    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)\n"
     source = (REPO / "day3/15_fsdp2.py").read_text()
     assert source.count(sgd) == 1 and sgd.strip() in sections("15_fsdp2")[3]
-    copy = tmp_path / "day3" / "15_fsdp2_adamw.py"
-    copy.parent.mkdir()
-    copy.write_text(source.replace(sgd, "    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)\n"))
     (line,) = commands("15_fsdp2", 3)
-    cmd, env = argv(line.replace("day3/15_fsdp2_adamw.py", str(copy)), tmp_path)
-    out = run(cmd, env={**env, "PYTHONPATH": str(REPO)}).stdout
+    out = run_edited(line, tmp_path, "day3/15_fsdp2_adamw.py",
+                     source.replace(sgd, "    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)\n")).stdout
     assert "[rank 0] holds parameters 1.034 MB, gradients 1.034 MB, optimizer state 2.067 MB, total 4.135 MB" in out
     assert "DDP's full replica 8.238 MB: 0.502 of DDP's" in out
     assert "measured on the fullest rank: 4.13 MB, over it" in out
