@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -262,6 +263,28 @@ def test_a_launcher_with_a_failing_site_setup_stops_before_its_lesson(tmp_path):
     assert done.stderr.strip() == (f"error: site_setup of {profile} failed: `false` exited with 1; fix site_setup "
                                    "there (run its lines in a shell to see the cause). No rank was started.")
     assert "srun reached" not in done.stdout and "exit code 1" in done.stdout.splitlines()[-1]
+
+
+def test_a_python_without_torch_stops_the_job_before_its_lesson(tmp_path):
+    """PYTHON names the interpreter of the ranks; one without torch (here a bare venv, as a trainer's
+    `export PYTHON=...` for scripts/setup_env.sh would leave behind in the shell that submits) is one line."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", tmp_path / "bare"], check=True, timeout=60)
+    bare = tmp_path / "bare" / "bin" / "python"
+    env = {**os.environ, "SLURM_JOB_ID": "7", "COURSE_REPO": str(REPO), "PYTHON": str(bare)}
+    env.pop("COURSE_SITE", None)
+    done = subprocess.run(["bash", "-c", 'set -euo pipefail; source "$COURSE_REPO/slurm/lib/job.sh"; job_start; '
+                                         'echo "+ srun reached"'],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {bare} (PYTHON, set before the site setup or by it) "
+                                                   "cannot import torch; unset PYTHON"), done.stderr
+    assert lines[0].endswith("No rank was started.") and "srun reached" not in done.stdout
+    env["PYTHON"] = sys.executable  # the course's venv: the same job starts
+    done = subprocess.run(["bash", "-c", 'set -euo pipefail; source "$COURSE_REPO/slurm/lib/job.sh"; job_start; '
+                                         'echo "+ srun reached"'],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert done.returncode == 0 and "srun reached" in done.stdout, done.stdout + done.stderr
 
 
 # ------------------------------------------------------------------------------------------ sbatch --test-only

@@ -97,7 +97,7 @@ course_site_resolve() {
 # Sets up the site of COURSE_SITE_FILE (course_site_resolve) in this shell, for everything started from it:
 # loads the profile and runs its site_setup (modules, environment, NCCL/gloo interface, a venv); srun passes
 # the exported environment on to every rank.  Without a profile: the repository's .venv if there is one.
-# Then exports PYTHON (as given, else python3 on PATH).
+# Then exports PYTHON (as given, else python3 on PATH), after checking that it can import torch.
 # Once per job: it exports COURSE_SITE_READY=<job id>:<profile or none>, and a script started from here in
 # the same job (a launcher's multinode_setup_and_run.sh) that asks for no profile, or for the same one,
 # keeps what it inherited.  Sets COURSE_SITE_STATUS: "set up", "set up by the caller" or "none".
@@ -137,10 +137,20 @@ course_site_setup() {
         export COURSE_SITE_READY="$ready"
     fi
 
+    local chosen="python3 on PATH after the site setup"
+    [[ -z "${PYTHON:-}" ]] || chosen="PYTHON, set before the site setup or by it"
     PYTHON="${PYTHON:-$(command -v python3 || command -v python || true)}"
     if [[ -z "$PYTHON" ]]; then
         echo "error: no python3 on PATH after the site setup; load a module or activate an environment in" \
              "site_setup of ${COURSE_SITE_FILE:-your site profile (--site NAME)}, or export PYTHON=/path/to/python" >&2
+        exit 1
+    fi
+    # The ranks run the lessons with $PYTHON: without torch every rank would fail with a traceback.
+    if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" 2>/dev/null
+    then
+        echo "error: $PYTHON ($chosen) cannot import torch; unset PYTHON or point it at the environment with" \
+             "torch (python -c 'import sys; print(sys.executable)' there), or activate that environment in" \
+             "site_setup of ${COURSE_SITE_FILE:-your site profile (--site NAME)}. No rank was started." >&2
         exit 1
     fi
     export PYTHON
