@@ -10,7 +10,6 @@ import json
 import re
 import shlex
 import subprocess
-import socket
 from pathlib import Path
 
 from conftest import PYTHON, REPO, run
@@ -76,12 +75,6 @@ def run_edited(line, tmp, path, source) -> subprocess.CompletedProcess:
     copy.write_text(source)
     cmd, env = argv(line.replace(path, str(copy)), tmp)
     return run(cmd, env={**env, "PYTHONPATH": str(REPO)})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metrics(run_dir) -> dict:

@@ -250,15 +250,20 @@ def test_multinode_script_stops_on_a_bad_profile_before_any_rank(case, tmp_path)
     assert not calls.exists(), calls.read_text()
 
 
+def job_start(env, cwd) -> subprocess.CompletedProcess:
+    """A launcher's first lines (slurm/lib/job.sh job_start), outside Slurm; "+ srun reached" if they pass."""
+    return subprocess.run(["bash", "-c", 'set -euo pipefail; source "$COURSE_REPO/slurm/lib/job.sh"; job_start; '
+                                         'echo "+ srun reached"'],
+                          capture_output=True, text=True, env=env, cwd=cwd, timeout=60)
+
+
 def test_a_launcher_with_a_failing_site_setup_stops_before_its_lesson(tmp_path):
     """The launchers' job_start (slurm/lib/job.sh) runs site_setup through the same function: the job's log
     names the failing command, and the job ends with exit code 1 before any srun."""
     profile = tmp_path / "broken.env"
     profile.write_text("site_setup() {\n    false\n}\n")
     env = {**os.environ, "SLURM_JOB_ID": "7", "COURSE_REPO": str(REPO), "COURSE_SITE": str(profile)}
-    done = subprocess.run(["bash", "-c", 'set -euo pipefail; source "$COURSE_REPO/slurm/lib/job.sh"; job_start; '
-                                         'echo "+ srun reached"'],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    done = job_start(env, tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stderr.strip() == (f"error: site_setup of {profile} failed: `false` exited with 1; fix site_setup "
                                    "there (run its lines in a shell to see the cause). No rank was started.")
@@ -272,18 +277,14 @@ def test_a_python_without_torch_stops_the_job_before_its_lesson(tmp_path):
     bare = tmp_path / "bare" / "bin" / "python"
     env = {**os.environ, "SLURM_JOB_ID": "7", "COURSE_REPO": str(REPO), "PYTHON": str(bare)}
     env.pop("COURSE_SITE", None)
-    done = subprocess.run(["bash", "-c", 'set -euo pipefail; source "$COURSE_REPO/slurm/lib/job.sh"; job_start; '
-                                         'echo "+ srun reached"'],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    done = job_start(env, tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {bare} (PYTHON, set before the site setup or by it) "
                                                    "cannot import torch; unset PYTHON"), done.stderr
     assert lines[0].endswith("No rank was started.") and "srun reached" not in done.stdout
     env["PYTHON"] = sys.executable  # the course's venv: the same job starts
-    done = subprocess.run(["bash", "-c", 'set -euo pipefail; source "$COURSE_REPO/slurm/lib/job.sh"; job_start; '
-                                         'echo "+ srun reached"'],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    done = job_start(env, tmp_path)
     assert done.returncode == 0 and "srun reached" in done.stdout, done.stdout + done.stderr
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, max_rel_diff, run
-from solutions_check import argv, commands, free_port, metrics, run_edited, run_solution, solution, weights
+from course.ports import free_port
+from solutions_check import argv, commands, metrics, run_edited, run_solution, solution, weights
 
 
 # ------------------------------------------------------------------------------------------ lesson 0

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from conftest import REPO, environ, max_rel_diff, run
-from solutions_check import SOLUTIONS, argv, commands, free_port, metrics, run_solution, solution, weights
+from course.ports import free_port
+from solutions_check import SOLUTIONS, argv, commands, metrics, run_solution, solution, weights
 
 
 # ------------------------------------------------------------------------------------------ lesson 9

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO, environ, max_rel_diff, run
 from solutions_check import argv, commands, metrics, run_edited, run_solution, sections, solution, weights
-from test_day3_hangs import PEER_WAIT_S, START_S, caught_by_the_timeout
+from test_day3_hangs import ended_by_its_timeout
 
 
 # ------------------------------------------------------------------------------------------ lesson 13
@@ -193,9 +193,7 @@ def test_17_1_uneven_under_torchrun_names_the_barrier_and_the_bucket(tmp_path, d
     """The solution's --timeout is 5 s; the bounds are test_day3_hangs' (its docstring says why)."""
     start = time.perf_counter()
     proc = run_solution("17_debugging_hangs", 1, tmp_path, check=False, timeout=180)
-    seconds = time.perf_counter() - start
-    assert proc.returncode != 0 and seconds <= 5 + PEER_WAIT_S + START_S, (seconds, proc.stderr)
-    caught_by_the_timeout(proc, 5)
+    ended_by_its_timeout(proc, time.perf_counter() - start, 5)
     assert re.search(r"rank 0 waited [\d.]+ s in barrier #(\d+) .*; rank 1 last entered all_reduce #\1 "
                      r"\(shape \[101770\]", proc.stderr), proc.stderr
 
