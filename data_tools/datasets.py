@@ -17,7 +17,6 @@ import shutil
 import socket
 import sys
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,12 +159,12 @@ def _idx_header_problem(path: Path, magic: int, shape: tuple):
 
 # ----------------------------------------------------------------------------------------- preparation
 
-@contextmanager
-def _locked(data_dir: Path, folder: str):
+def _lock(data_dir: Path, folder: str):
+    """The preparation's lock file, held: a second preparation waits here, then finds READY."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    with open(data_dir / f".{folder}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second preparation waits here, then finds READY
-        yield
+    lock = open(data_dir / f".{folder}.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return lock
 
 
 def _candidate_dirs(source: Path, folder: str):
@@ -223,17 +222,22 @@ def prepare(dataset: str, data_dir=None, source=None, force: bool = False,
     s = spec(dataset)
     data_dir = Path(data_dir) if data_dir else default_data_dir()
     final = data_dir / s.folder
-    with _locked(data_dir, s.folder):
+    # Already prepared: checked and used without writing anything, not even the lock file, so that a data
+    # dir a trainer prepared once serves a class read-only.  READY appears only with the complete folder (an
+    # atomic rename below), so a reader that sees it never sees half a preparation.
+    if (final / "READY").exists() and not force and source is None:
+        return _already_prepared(dataset, data_dir, final, log)
+    try:
+        lock = _lock(data_dir, s.folder)
+    except OSError as e:
+        raise DataError(f"{dataset} is not prepared in {data_dir}, and it cannot be prepared there "
+                        f"({e.strerror or e}: {e.filename or data_dir}); ask whoever prepared the shared data to "
+                        f"run: {prepare_command(dataset, data_dir)}, or set COURSE_DATA_DIR to a directory of "
+                        f"your own") from None
+    with lock:  # closing it releases the lock
         if final.exists() and not force and source is None:
-            if (final / "READY").exists():
-                try:
-                    for split in SPLITS:
-                        read_split(final / "raw", split)
-                    log(f"{dataset}: already prepared in {final}")
-                    return final
-                except IDXError as e:
-                    raise DataError(f"{final} is damaged ({e}); rebuild it with: "
-                                    f"{prepare_command(dataset, data_dir)} --force") from None
+            if (final / "READY").exists():  # prepared by another process while this one waited for the lock
+                return _already_prepared(dataset, data_dir, final, log)
             raise DataError(f"{final} exists but was not prepared by this tool (no READY file); "
                             f"rebuild it with: {prepare_command(dataset, data_dir)} --force")
 
@@ -260,6 +264,18 @@ def prepare(dataset: str, data_dir=None, source=None, force: bool = False,
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     log(f"{dataset}: prepared in {final} (from {origin})")
+    return final
+
+
+def _already_prepared(dataset: str, data_dir: Path, final: Path, log) -> Path:
+    """A prepared folder, every split read and validated (reading only)."""
+    try:
+        for split in SPLITS:
+            read_split(final / "raw", split)
+    except IDXError as e:
+        raise DataError(f"{final} is damaged ({e}); rebuild it with: "
+                        f"{prepare_command(dataset, data_dir)} --force") from None
+    log(f"{dataset}: already prepared in {final}")
     return final
 
 
