@@ -100,6 +100,8 @@ case "$COURSE_SITE_STATUS" in
         fi ;;
     *) echo "multinode: no site profile (--site NAME or COURSE_SITE=NAME loads one)" ;;
 esac
+# PYTHON has what the lesson needs with these arguments (packages, torch release), or one line and no rank
+"$PYTHON" "$REPO/course/requires.py" "$LESSON" "$@" || exit 1
 
 NNODES="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}"
 NTASKS="${SLURM_NTASKS:-$NNODES}"
