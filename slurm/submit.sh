@@ -121,7 +121,7 @@ is_count() { [[ "$1" =~ ^(0|[1-9][0-9]*)$ ]]; }
 is_word() { [[ -z "$1" || "$1" =~ ^[^[:space:]]+$ ]]; }
 
 : "${SITE_GPU_FLAG:=none}" "${SITE_ACCOUNT_REQUIRED:=no}"
-for var in SITE_ACCOUNT SITE_PARTITION SITE_QOS SITE_CONSTRAINT; do
+for var in SITE_ACCOUNT SITE_PARTITION SITE_QOS SITE_CONSTRAINT SITE_RESERVATION; do
     is_word "${!var:-}" || die "$(origin $var) is '${!var}': one word, no spaces"
 done
 case "$SITE_ACCOUNT_REQUIRED" in
@@ -183,6 +183,7 @@ OPTIONS=()
 [[ -z "${SITE_PARTITION:-}" ]] || OPTIONS+=("--partition=$SITE_PARTITION")
 [[ -z "${SITE_QOS:-}" ]] || OPTIONS+=("--qos=$SITE_QOS")
 [[ -z "${SITE_CONSTRAINT:-}" ]] || OPTIONS+=("--constraint=$SITE_CONSTRAINT")
+[[ -z "${SITE_RESERVATION:-}" ]] || OPTIONS+=("--reservation=$SITE_RESERVATION")
 OPTIONS+=("--nodes=$NNODES")  # also when it is the launcher's: the command says what it asks for
 [[ -z "$TASKS" ]] || OPTIONS+=("--ntasks-per-node=$TASKS")
 [[ -z "${SITE_CPUS_PER_TASK:-}" ]] || OPTIONS+=("--cpus-per-task=$SITE_CPUS_PER_TASK")
@@ -230,6 +231,7 @@ explain() {  # sbatch's complaint -> which profile setting to look at
     case "${message,,}" in
         *partition*) echo "check $(origin SITE_PARTITION) ('${SITE_PARTITION:-}'); \`sinfo -s\` lists the partitions" ;;
         *account*) echo "check $(origin SITE_ACCOUNT) ('${SITE_ACCOUNT:-}'); \`sacctmgr show assoc user=\$USER\` lists yours" ;;
+        *reservation*) echo "check $(origin SITE_RESERVATION) ('${SITE_RESERVATION:-}'); \`scontrol show reservation\` lists them" ;;
         *qos*) echo "check $(origin SITE_QOS) ('${SITE_QOS:-}'); \`sacctmgr show qos\` lists them" ;;
         *feature*|*constraint*) echo "check $(origin SITE_CONSTRAINT) ('${SITE_CONSTRAINT:-}'); \`sinfo -o '%P %f'\` lists the features" ;;
         *gres*|*gpu*|*"node configuration"*)

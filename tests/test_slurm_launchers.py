@@ -105,7 +105,8 @@ def test_helpers_pass_bash_n():
 def test_profiles_shipped():
     assert {"perlmutter", "palmetto", "jsc", "generic-gpu", "cpu-only", "template"} <= set(SITES)
     template = (SITES_DIR / "template.env").read_text()
-    for setting in ["SITE_ACCOUNT=", "SITE_PARTITION=", "SITE_QOS=", "SITE_CONSTRAINT=", "SITE_GPU_FLAG=",
+    for setting in ["SITE_ACCOUNT=", "SITE_PARTITION=", "SITE_QOS=", "SITE_CONSTRAINT=", "SITE_RESERVATION=",
+                    "SITE_GPU_FLAG=",
                     "SITE_GPU_TYPE=", "SITE_GPUS_PER_NODE=", "SITE_CPUS_PER_TASK=", "site_setup()",
                     "NCCL_SOCKET_IFNAME", "module load"]:
         assert setting in template
@@ -159,10 +160,11 @@ def test_single_process_lessons_ask_for_one_task_and_one_gpu():
 
 def test_environment_wins_over_the_profile():
     shown = submit("9", "--site", "jsc", "--dry-run", "--nodes", "3",
-                   env={"SITE_ACCOUNT": "proj", "SITE_PARTITION": "develbooster", "SITE_GPUS_PER_NODE": "2"})
+                   env={"SITE_ACCOUNT": "proj", "SITE_PARTITION": "develbooster", "SITE_GPUS_PER_NODE": "2",
+                        "SITE_RESERVATION": "course"})
     words = shlex.split(shown.stdout)
     assert {"--account=proj", "--partition=develbooster", "--gres=gpu:2", "--ntasks-per-node=2",
-            "--nodes=3"} <= set(words), words
+            "--nodes=3", "--reservation=course"} <= set(words), words
 
 
 # ------------------------------------------------------------------------------------------ wrong site values
@@ -327,8 +329,10 @@ def test_every_launcher_passes_sbatch_test_only_with_every_profile(site_cluster,
     ({"SITE_PARTITION": "nosuch"}, ["invalid partition", "SITE_PARTITION (from the environment) ('nosuch')",
                                      "sinfo -s"]),
     ({"SITE_CONSTRAINT": "a100"}, ["feature", "SITE_CONSTRAINT"]),
+    ({"SITE_RESERVATION": "course"}, ["reservation", "SITE_RESERVATION (from the environment) ('course')",
+                                       "scontrol show reservation"]),
     ({"SITE_GPU_FLAG": "gres", "SITE_GPUS_PER_NODE": "8"}, ["node configuration", "GPU request"]),
-], ids=["partition", "constraint", "too-many-gpus"])
+], ids=["partition", "constraint", "reservation", "too-many-gpus"])
 def test_a_value_slurm_refuses_fails_before_submission(slurm_cluster, env, words, tmp_path):
     done = submit("0", "--site", "cpu-only", env={**slurm_cluster.env, **env}, cwd=tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
