@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -37,6 +38,18 @@ def plan(nproc: int, device: str, quick: bool):
     ]
 
 
+def on_login_node() -> bool:
+    """A node of a Slurm cluster outside any job: Slurm's controller answers (`sinfo`), and this process is not
+    in an allocation.  Centres keep multi-process work off their login nodes, which are shared by everyone.
+    A machine with Slurm's commands but no cluster of its own (a laptop, this course's CI) is not one."""
+    if os.environ.get("SLURM_JOB_ID") or shutil.which("sinfo") is None:
+        return False
+    try:
+        return subprocess.run(["sinfo", "--noheader", "--format=%P"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def hardware():
     import torch
 
@@ -52,7 +65,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m course.day1_sequence", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="each lesson's quick mode")
     p.add_argument("--nproc", type=int, default=None, help="ranks for the data-parallel lessons")
+    p.add_argument("--here", action="store_true",
+                   help="run on this node even if it is a Slurm login node (a few minutes of 2-4 processes)")
     args = p.parse_args(argv)
+    if on_login_node() and not args.here:
+        print("day-1 sequence: this is a login node of a Slurm cluster (sinfo answers, no job here): its lessons "
+              "start several processes each, which login nodes are not for. Run it on a compute node: "
+              "srun --nodes 1 --ntasks 1 --cpus-per-task 4 [--account/--partition/--reservation of your site: "
+              "slurm/submit.sh 0 --site NAME --dry-run prints them] ./quickstart.sh, or submit the lessons with "
+              "slurm/submit.sh; ./quickstart.sh --here runs it here anyway", file=sys.stderr)
+        return 1
     nproc, device, what = hardware()
     nproc = args.nproc or nproc
     print(f"day-1 sequence{' (quick)' if args.quick else ''} on {what}: {nproc} ranks, device {device}\n",
