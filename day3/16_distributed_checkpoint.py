@@ -4,6 +4,7 @@ another world size.
     python day3/16_distributed_checkpoint.py --nproc 4 --quick --max-steps 20 --checkpoint-every 10
     python day3/16_distributed_checkpoint.py --nproc 2 --batch-size 128 --quick --max-steps 40 --resume  (4 -> 2)
     torchrun --nproc_per_node=4 day3/16_distributed_checkpoint.py --async-save --checkpoint-every 5
+    python day3/16_distributed_checkpoint.py --nproc 2 --quick --max-steps 20 --async-save process
     python day3/16_distributed_checkpoint.py --export model.pt    (one process: one ordinary file)
 
 Lesson 15's FSDP2 loop, with checkpoints that fit it:
@@ -15,11 +16,16 @@ Lesson 15's FSDP2 loop, with checkpoints that fit it:
 - Save: get_state_dict(model, optimizer) gives this rank's shards (DTensors) keyed by parameter name, the
   optimizer's momentum by the same names; dcp.save writes each rank's shards to its own file
   (__RANK_0.distcp) and rank 0 writes .metadata last: which rows of which tensor are in which file.
-- Published atomically: every rank writes into a temporary directory; once all have finished, rank 0
-  writes complete.json (the position in training, every file's size), then renames the directory to
-  step-NNNNNNNNN.  A crash, a kill or a full disk leaves a temporary directory or a file shorter than
-  complete.json says: resuming skips it, says so, and takes the newest complete one
-  (course/dcp_checkpoints.py).
+- Published atomically: every rank writes into a temporary directory, and hashes (sha256) the file it
+  wrote; once all have finished, rank 0 writes complete.json (the position in training, every file's size
+  and digest, and a digest of its own content), then renames the directory to step-NNNNNNNNN.  A crash, a
+  kill or a full disk leaves a temporary directory or a file shorter than complete.json says: resuming
+  skips it, says so, and takes the newest complete one (course/dcp_checkpoints.py).
+- Verified before use: bytes changed in place (a failing disk, a bad copy) keep the sizes, and neither
+  DCP's files nor torch.load carry or check a checksum.  So each rank hashes its share of the newest
+  checkpoint's files (every W-th by name) and compares with complete.json; one all_reduce of the verdicts
+  tells every rank, before any rank loads, whether all files are intact.  A damaged checkpoint is named
+  (which file) and skipped, and the next newest is tried; with none left, --resume ends with one line.
 - Resume (--resume, at any world size): each rank builds the model and optimizer as usual (its shards for
   W ranks), dcp.load reads the rows its shards need from whichever files hold them (resharding: saved by 4
   ranks, loaded by 2, or the other way round), set_state_dict puts them in place.  The same global batches
@@ -27,18 +33,25 @@ Lesson 15's FSDP2 loop, with checkpoints that fit it:
   The weights then equal the uninterrupted run's up to float rounding: other W, other order of sums.
   --resume if-any resumes when there is a checkpoint and starts a new run when there is none (a job that
   may be submitted again); a checkpoint already at --max-steps leaves nothing to train (one line, exit 0).
-- --async-save: dcp.async_save copies this rank's shards to CPU memory, returns, and writes them in a
-  background thread while training goes on, over a gloo process group of its own (collectives of the
-  saver's thread must not mix with the training loop's; gloo because the saver works on the CPU copy,
-  also under NCCL).  The stall, the time the training loop waits for a save, is measured for both kinds.
-- --export PATH: one process, no process group: dcp.load(no_dist=True) assembles the whole tensors from all
+- --async-save [thread|process]: dcp.async_save (torch 2.14.1) first copies ("stages") this rank's shards
+  to CPU memory, and returns once the copy is done; everything else, dcp.save itself with its planning
+  collectives (which rank writes what) and the writes, runs in its executor while training goes on: a
+  background thread (the default), or with `process` a process of its own per rank, started at the first
+  save (seconds: a fresh Python importing torch) and kept for the later ones; it has its own gloo process
+  group, and the staged copy travels to it through shared memory.  The thread shares the interpreter (the
+  GIL) with the training loop; the process does not.  The lesson's saves use a gloo process group of their
+  own (collectives of the saver must not mix with the training loop's; gloo because the saver works on the
+  CPU copy, also under NCCL), and wait for the previous save before the next.  The stall, the time the
+  training loop waits for a save, is measured for every kind, and split into the wait for the previous
+  save and the call itself (get_state_dict and async_save: the copy).
+- --export PATH: one process, no process group: the newest checkpoint whose files all match their digests
+  (checked here, all of them); dcp.load(no_dist=True) assembles the whole tensors from all
   ranks' files into the plain ViT's state dict, saved as one ordinary file for inference
   (torch.load(PATH, weights_only=True); format_utils.dcp_to_torch_save does the same for everything).
 --batch-size is per rank.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line (sharding and
 checkpoints included).
 """
-import json
 import os
 import sys
 import time
@@ -87,34 +100,38 @@ def worker(info, args):
     after_forward = memory.watch_after_forward(model)  # parameter bytes held from forward to backward
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     directory, position = args.checkpoint_dir, {"step": 0, "epoch": 0, "batches_done": 0}
-    chosen = [None, None]  # DIST: rank 0 picks the checkpoint and names this run's temporary directories
+    chosen = [None, None, []]  # DIST: rank 0 lists the checkpoints and names this run's temporary directories
     if rank == 0:
-        chosen = [ckpt.newest(directory, lambda m: rank_print(0, m))[0] if args.resume else None, str(os.getpid())]
+        chosen = [None, str(os.getpid()), ckpt.published(directory, lambda m: rank_print(0, m)) if args.resume else []]
         ckpt.remove_unfinished(directory)
-    dist.broadcast_object_list(chosen, src=0)  # DIST: every rank resumes from the same checkpoint
+    dist.broadcast_object_list(chosen, src=0)  # DIST: every rank tries the same checkpoints, newest first
+    for path, saved in chosen[2]:  # saved: its complete.json, with every file's sha256
+        intact = torch.tensor(float(ckpt.share_intact(path, saved, rank, world_size)), device=device)  # my share
+        dist.all_reduce(intact, op=dist.ReduceOp.MIN)  # DIST: every rank learns the verdict before any rank loads
+        if intact.item():
+            chosen[0] = path  # the newest checkpoint whose every file is intact
+            break
+    ckpt.require_intact(chosen, args.resume, directory, rank)  # --resume and none intact: one line, the end
     if chosen[0] is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)  # DIST: this rank's shards, keyed by name
         dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=chosen[0])  # DIST: its rows, any W
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)  # DIST: in place
-        saved = json.loads((chosen[0] / ckpt.MARKER).read_text())
         position = {k: saved[k] for k in position}
         rank_print(rank, f"resumed from {chosen[0]} (saved by {saved['world_size']} ranks): step {saved['step']}")
     saver = dist.new_group(backend="gloo") if args.async_save else None  # DIST: the async saver's own group
-    saves = ckpt.Saves(rank, args.keep)
+    saves = ckpt.Saves(rank, args.keep, chosen)
 
     def checkpoint(epoch, batches_done):
-        begun = time.perf_counter()
-        saves.wait()  # an async save still running: wait for it (and publish it) before the next one
+        saves.begin()  # the clock starts; an async save still running: wait for it (rank 0 publishes it)
         model_sd, optim_sd = get_state_dict(model, optimizer)  # DIST: this rank's shards, keyed by name
         state, tmp = {"model": model_sd, "optimizer": optim_sd}, ckpt.temporary(directory, step, chosen[1])
         info = {**ckpt.settings(args, world_size), "step": step, "epoch": epoch, "batches_done": batches_done}
-        if args.async_save:  # DIST: copies the shards to CPU memory, writes them in a thread over `saver`
-            saves.started(dcp.async_save(state, checkpoint_id=tmp, process_group=saver), tmp, info)
-        else:
-            dcp.save(state, checkpoint_id=tmp)  # DIST: each rank its own file, at once; rank 0 .metadata last
-            saves.started(None, tmp, info)
-            saves.wait()  # rank 0: every rank has written: complete.json, then the rename
-        saves.stalls.append(time.perf_counter() - begun)
+        if args.async_save:  # DIST: copies the shards to CPU memory, returns; saves in a thread or a process
+            kind = dcp.state_dict_saver.AsyncCheckpointerType(args.async_save)  # over `saver`, planning included
+            saves.started(dcp.async_save(state, storage_writer=ckpt.Writer(tmp), process_group=saver,
+                                         async_checkpointer_type=kind), tmp, info)
+        else:  # DIST: each rank its own file, at once, and its sha256 (ckpt.Writer); rank 0 .metadata last
+            saves.started(dcp.save(state, storage_writer=ckpt.Writer(tmp)), tmp, info)  # rank 0 then publishes
 
     # DDP: rank r gets every W-th index of the epoch's shuffled order; padded so all shards are equal
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
@@ -177,12 +194,12 @@ def worker(info, args):
             "test_accuracy": accuracy, "test_loss": test_loss, "loss_per_step": losses,
             "grad_norm_per_step": torch.stack(norms).tolist(), "first_step": position["step"],
             "resumed_from": chosen[0] and str(chosen[0]), "async_save": args.async_save,
-            "checkpoints": saves.published, "save_stall_seconds": saves.stalls})
+            **saves.metrics()})
         save_weights(run / "model.pt", full)
         plot_curves(run / "loss.png", {f"{args.precision}, {world_size} ranks": (range(position["step"] + 1, step + 1), losses)},
                     "step", "training loss (mean over ranks)", f"{args.model}, global batch {global_batch}")
         memory.report(per_rank, args.planned, args.memory_budget_mb)
-        ckpt.report(saves.stalls, args.async_save)
+        saves.report(args.async_save)
         print(f"{world_size} ranks x batch {args.batch_size} = global batch {global_batch}, {args.precision}: "
               f"test accuracy {accuracy:.4f}; outputs in {run}", flush=True)
     dist.destroy_process_group()
@@ -200,9 +217,8 @@ def build_parser():
 
 
 def main(args):
-    args.checkpoint_dir = args.checkpoint_dir or args.run_dir / "checkpoints"
-    if args.export:  # one process, no ranks: the newest checkpoint as one ordinary file
-        return ckpt.export(args.checkpoint_dir, args.export)
+    if args.export:  # one process, no ranks: the newest intact checkpoint as one ordinary file
+        return ckpt.export(args)
     require(args.dataset, args.data_dir), check_vit_args(args), check_precision(args)
     memory.check_plan(args, model_from_args)
     ckpt.check(args, memory.world_size_of(args))  # --resume: a complete checkpoint of this model and batch

@@ -13,8 +13,14 @@ Bounds, measured on 2026-11-24 (the numbers are next to each assertion):
   and the same-world-size check fails too.
 - a published checkpoint with one shard file cut short, and a temporary directory never published: both
   skipped, said so, the run resumes from the newest complete one.
-- the export (one process) holds the trained weights bit for bit and gives the same predictions on all
-  10,000 test images as the run's own model.pt.
+- bytes flipped in place (same size, so every size still matches) in a shard (__0_0.distcp), in .metadata
+  and in complete.json: each of these checkpoints is skipped with one line naming the file, by the rank whose
+  share of the files it is (complete.json: rank 0, which lists the checkpoints), and the run resumes from
+  the newest intact one; with none intact, --resume ends with one line and exit 1, before any rank loads.
+  Before digests, the flipped .metadata was the newest complete checkpoint and was loaded.
+- the export (one process) skips the damaged checkpoints, holds the trained weights bit for bit and gives
+  the same predictions on all 10,000 test images as the run's own model.pt; with none intact it refuses
+  in one line.
 - bad input is one line; a checkpoint already at --max-steps leaves nothing to train (one line, exit 0).
 Checked by hand too: without the nothing-to-train exit and without --resume if-any's fallback, their two
 tests fail.
@@ -53,12 +59,30 @@ def start_from(source_dir, step, target):
     return target
 
 
+def flip(path, count=64):
+    """`count` bytes in the middle of a file inverted in place: the same size, other bytes (a failing disk)."""
+    with open(path, "r+b") as f:
+        data = f.read()
+        middle = len(data) // 2
+        f.seek(middle)
+        f.write(bytes(b ^ 0xFF for b in data[middle:middle + count]))
+    assert path.stat().st_size == len(data)
+
+
+def flipped_copy(source, target, name):
+    """A copy of the checkpoint directory `source` as `target`, with bytes flipped in its file `name`."""
+    shutil.copytree(source, target)
+    flip(target / name)
+    return target
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, dataset):
     """Four runs share the work:
     - w4: 6 steps uninterrupted at W = 4 (sync saves at steps 3 and 6);
     - r42: W = 2 (async saves), resumed from w4's step 3 in a directory that also holds a step-6 checkpoint
-      with a shard file cut short and an unfinished temporary directory; saves at steps 4 and 6;
+      with a shard file cut short, an unfinished temporary directory, and copies of w4's step 6 as steps 7,
+      8 and 9 with bytes flipped in __0_0.distcp, .metadata and complete.json; saves at steps 4 and 6;
     - r24: W = 4, resumed from r42's step 4 (saved by 2 ranks); compared with w4;
     - r22: W = 2, resumed from r42's step 4; compared with r42, which trained on from step 4 at W = 2."""
     root = tmp_path_factory.mktemp("dcp")
@@ -76,6 +100,8 @@ def runs(tmp_path_factory, dataset):
     shard.write_bytes(shard.read_bytes()[:1000])  # a copy cut short
     (torn / ".step-000000009.123.tmp").mkdir()  # a save that never finished
     (torn / ".step-000000009.123.tmp" / "__0_0.distcp").write_bytes(b"half")
+    for step, name in ((7, "__0_0.distcp"), (8, ".metadata"), (9, "complete.json")):  # newer, same sizes
+        flipped_copy(ckpt4 / "step-000000006", torn / f"step-{step:09d}", name)
     go("r42", 2, "--resume", "--async-save", "--checkpoint-every", "2", "--checkpoint-dir", torn)
     go("r24", 4, "--resume", "--checkpoint-dir", start_from(torn, 4, root / "dir24"))
     go("r22", 2, "--resume", "--checkpoint-dir", start_from(torn, 4, root / "dir22"))
@@ -127,6 +153,38 @@ def test_a_torn_or_unfinished_checkpoint_is_skipped(runs):
     assert not list(Path(directory).glob(".step-*"))
 
 
+def test_bytes_flipped_in_place_are_found_by_the_rank_whose_share_they_are(runs):
+    """Resumed at W = 2, the 5 files of a 4-rank checkpoint are shared by name: rank 0 hashes .metadata,
+    __1_0 and __3_0, rank 1 __0_0 and __2_0; rank 0 alone reads complete.json when it lists them."""
+    out = runs["r42"][1]
+    directory = metrics(runs["r42"][0])["resumed_from"].rsplit("/", 1)[0]
+    for rank, step, says in ((1, 7, "__0_0.distcp: its sha256 differs from the one in complete.json"),
+                             (0, 8, ".metadata: its sha256 differs from the one in complete.json"),
+                             (0, 9, "complete.json unreadable")):
+        line = f"[rank {rank}] skipping checkpoint {directory}/step-{step:09d} (torn or invalid: {says}"
+        assert out.count(line) == 1, out
+        assert out.count(f"step-{step:09d} (torn") == 1, out  # one line for each, from one rank
+    assert metrics(runs["r42"][0])["resumed_from"] == f"{directory}/step-000000003"
+
+
+def test_with_no_intact_checkpoint_left_resume_ends_in_one_line(runs, tmp_path):
+    """The only checkpoint has bytes flipped in __1_0.distcp (rank 0's share at W = 2): the ranks agree that
+    nothing is intact, rank 0 says so once, every rank ends, nothing is loaded, trained or written."""
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    flipped_copy(runs["w4"][0] / "checkpoints" / "step-000000003", directory / "step-000000003", "__1_0.distcp")
+    ran = lesson(SCRIPT, *COMMON, *BATCH[2], "--nproc", "2", "--resume", "--checkpoint-dir", directory,
+                 "--run-dir", tmp_path / "run", check=False)
+    assert ran.returncode == 1, ran.stdout + ran.stderr
+    assert ran.stdout.count(f"[rank 0] skipping checkpoint {directory}/step-000000003 (torn or invalid: "
+                            f"__1_0.distcp: its sha256 differs") == 1, ran.stdout
+    said = [line for line in ran.stderr.splitlines() if "no checkpoint in" in line]
+    assert said == [f"[rank 0] error: --resume: no checkpoint in {directory} is intact (each is named above); "
+                    f"remove the damaged ones, or start a new run with another --checkpoint-dir"], ran.stderr
+    assert "Traceback" not in ran.stderr and "resumed from" not in ran.stdout
+    assert not (tmp_path / "run" / "metrics.json").exists() and [p.name for p in directory.iterdir()] == ["step-000000003"]
+
+
 def test_every_save_is_published_and_its_stall_measured(runs):
     for name, kind, steps in (("w4", "dcp.save", (3, 6)), ("r42", "dcp.async_save", (4, 6))):
         m = metrics(runs[name][0])
@@ -136,12 +194,16 @@ def test_every_save_is_published_and_its_stall_measured(runs):
 
 
 def test_the_export_is_one_ordinary_file_with_the_same_predictions(runs, tmp_path):
+    """From r42's directory: its damaged steps 9, 8 and 7 are named and skipped, its own step 6 exported."""
     from course.models import ViT
     from data_tools.datasets import InMemoryMNIST
 
-    run_dir = runs["w4"][0]
-    ran = run([PYTHON, REPO / SCRIPT, "--export", tmp_path / "model.pt", "--checkpoint-dir", run_dir / "checkpoints"])
-    assert "exported the model of step-000000006 (saved by 4 ranks)" in ran.stdout, ran.stdout + ran.stderr
+    run_dir = runs["r42"][0]
+    directory = metrics(run_dir)["resumed_from"].rsplit("/", 1)[0]
+    ran = run([PYTHON, REPO / SCRIPT, "--export", tmp_path / "model.pt", "--checkpoint-dir", directory])
+    for step, file in ((9, "complete.json unreadable"), (8, ".metadata: its sha256"), (7, "__0_0.distcp: its sha256")):
+        assert f"skipping checkpoint {directory}/step-{step:09d} (torn or invalid: {file}" in ran.stdout, ran.stdout
+    assert "exported the model of step-000000006 (saved by 2 ranks)" in ran.stdout, ran.stdout + ran.stderr
     exported = torch.load(tmp_path / "model.pt", weights_only=True)  # plain tensors only
     trained = torch.load(run_dir / "model.pt", weights_only=True)
     assert sorted(exported) == sorted(trained) and all(torch.equal(exported[k], trained[k]) for k in trained)
@@ -167,19 +229,23 @@ def test_the_export_is_one_ordinary_file_with_the_same_predictions(runs, tmp_pat
     (["--checkpoint-dir", "{w4}"], "already holds checkpoints; add --resume"),
     (["--resume", "if-any", "--checkpoint-dir", "{torn}"], "already holds checkpoints; none of them is complete"),
     (["--export", "{tmp}/x.pt", "--checkpoint-dir", "{tmp}/none"], "--export: the checkpoint dir {tmp}/none does"),
+    (["--export", "{tmp}/x.pt", "--checkpoint-dir", "{flipped}"], "--export: {flipped} holds no intact checkpoint"),
 ])
 def test_bad_input_is_one_line(runs, args, says, tmp_path, capsys, monkeypatch):
     from as_main import run_as_main
 
     for var in ("WORLD_SIZE", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)
-    fill = {"tmp": tmp_path, "w4": runs["w4"][0] / "checkpoints", "torn": tmp_path / "torn"}
+    fill = {"tmp": tmp_path, "w4": runs["w4"][0] / "checkpoints", "torn": tmp_path / "torn",
+            "flipped": tmp_path / "flipped"}
     (tmp_path / "torn" / "step-000000003").mkdir(parents=True)  # a directory without complete.json
+    if "{flipped}" in args:  # its only checkpoint with bytes flipped in one shard
+        flipped_copy(fill["w4"] / "step-000000003", tmp_path / "flipped" / "step-000000003", "__2_0.distcp")
     args = [a.format(**fill) for a in args]
     code = run_as_main([REPO / SCRIPT, *COMMON[:-4], *args, "--run-dir", tmp_path / "r"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(lines) == 1 and says.format(**fill) in lines[0], (code, lines)
-    assert not (tmp_path / "r").exists() and not (tmp_path / "none").exists()
+    assert not (tmp_path / "r").exists() and not (tmp_path / "none").exists() and not (tmp_path / "x.pt").exists()
 
 
 def test_a_checkpoint_at_the_last_step_leaves_nothing_to_train(runs, tmp_path, capsys, monkeypatch):

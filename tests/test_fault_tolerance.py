@@ -1,5 +1,6 @@
 """Lesson 12: a run stopped by a signal at a random step, or by a crashed rank, resumes to the weights of the
-run that was never interrupted, bit for bit; torn checkpoints are skipped; the launcher requeues on Slurm.
+run that was never interrupted, bit for bit; torn checkpoints and checkpoints with bytes flipped in place
+(which torch.load loads without a word) are skipped, found by their sha256; the launcher requeues on Slurm.
 
 All runs: 2 ranks (one test: 4), gloo on the CPU, one thread per rank, 1600 samples, batch 32 per rank: 25
 steps per epoch, 2 epochs, a checkpoint every 7 steps.  The interrupted runs sleep 0.1 s per step (--step-sleep: it changes
@@ -9,6 +10,7 @@ import fcntl
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -195,7 +197,9 @@ def test_stopped_at_a_random_step_and_resumed_equals_the_uninterrupted_run(refer
     """One rank: only that rank gets the signal; the all_reduce of the stop flag must stop the other too.
     The launcher: `python lesson.py --nproc 2` passes it on to both ranks.  In the second case the newest
     checkpoint is then torn (cut in half), a garbage file with a newer step and a writer's leftover temporary
-    file are added: the run must skip them and resume from the newest valid checkpoint, the periodic one."""
+    file are added: the run must skip them and resume from the newest valid checkpoint, the periodic one.
+    Damaged: the newest with 64 bytes flipped in place (same size: only its digest tells), a cut-short copy
+    of it with its digest file under a newer name, garbage without one."""
     choice = random.Random()
     after, victim = choice.randint(8, 40), choice.randint(0, 1)
     note = f"{sig} to {target} after step {after} (rank {victim} if one rank)"
@@ -224,14 +228,20 @@ def test_stopped_at_a_random_step_and_resumed_equals_the_uninterrupted_run(refer
     resume_from = stop
     if target == "the launcher":
         newest = ckpts / f"step-{stop:09d}.pt"
-        newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # torn: a write cut in half
+        (ckpts / "step-000000059.pt").write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # torn
+        (ckpts / "step-000000059.pt.sha256").write_bytes((ckpts / f"step-{stop:09d}.pt.sha256").read_bytes())
+        flip(newest)                                                            # a failing disk
         (ckpts / "step-000000060.pt").write_bytes(os.urandom(5000))             # garbage with a newer name
         (ckpts / ".step-000000061.pt.999.tmp").write_bytes(b"half a write")     # a writer killed mid-write
         resume_from = (stop - 1) // 7 * 7  # the periodic checkpoint before the stop (--keep 2 kept it)
     out = run(lesson12(run_dir=tmp_path), env=DETERMINISTIC).stdout
     if target == "the launcher":
-        assert re.search(r"skipping checkpoint \S+step-000000060.pt \(torn or invalid", out), out
-        assert re.search(rf"skipping checkpoint \S+step-{stop:09d}.pt \(torn or invalid", out), out
+        assert re.search(r"skipping checkpoint \S+step-000000060.pt \(torn or invalid: no readable "
+                         r"step-000000060.pt.sha256", out), out
+        assert re.search(r"skipping checkpoint \S+step-000000059.pt \(torn or invalid: its sha256 differs", out), out
+        said = re.findall(rf"skipping checkpoint \S+step-{stop:09d}.pt \(torn or invalid: its sha256 differs from "
+                          rf"the one in step-{stop:09d}.pt.sha256", out)
+        assert len(said) == 1, out
     assert f"resuming from {ckpts / f'step-{resume_from:09d}.pt'}: step {resume_from}" in out, f"{note}\n{out}"
     m = metrics(tmp_path)
     assert m["resumed_at"] == [resume_from] and m["steps"] == STEPS, note
@@ -239,6 +249,44 @@ def test_stopped_at_a_random_step_and_resumed_equals_the_uninterrupted_run(refer
                           if resume_from == stop else [])  # the torn checkpoint took its record with it
     assert_bitwise_equal(tmp_path, reference)
     assert m["evaluations"] == metrics(reference)["evaluations"]
+
+
+def flip(path, count=64):
+    """`count` bytes in the middle of a file inverted in place: the same size, other bytes (a failing disk)."""
+    with open(path, "r+b") as f:
+        data = f.read()
+        f.seek(len(data) // 2)
+        f.write(bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + count]))
+
+
+def test_flipped_bytes_load_silently_but_the_digest_finds_them(reference, tmp_path, capsys):
+    """The reference run's two checkpoints, copied: with 64 bytes flipped in the middle of the newest,
+    torch.load still loads it (no checksum), newest_valid names it in one line and returns the older one;
+    flipped in both, none is left: one line each, None (the lesson then starts at step 0, as with torn ones)."""
+    from course.checkpoints import newest_valid, sidecar
+
+    ckpts = tmp_path / "checkpoints"
+    shutil.copytree(reference / "checkpoints", ckpts, ignore=shutil.ignore_patterns(".lock"))
+    older, newest = sorted(ckpts.glob("step-*.pt"))
+    assert sidecar(newest).read_text() == f"{sha256(newest)}  {newest.name}\n"  # sha256sum's format
+    flip(newest)
+    assert torch.load(newest, map_location="cpu", weights_only=True)["step"] == STEPS  # loads without a word
+    capsys.readouterr()
+    assert newest_valid(ckpts) == older
+    said = capsys.readouterr().out.splitlines()
+    assert said == [f"[rank 0] skipping checkpoint {newest} (torn or invalid: its sha256 differs from the one in "
+                    f"{newest.name}.sha256: the file changed after it was written)"], said
+    flip(older)
+    assert newest_valid(ckpts) is None
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 2 and all(f"skipping checkpoint {p} (torn or invalid: its sha256" in line
+                                  for p, line in zip((newest, older), said)), said
+
+
+def sha256(path) -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def step_of_stop(run_dir, output) -> int:
