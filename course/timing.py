@@ -1,8 +1,10 @@
 """Lesson 7's bookkeeping: the table of timing runs (CSV, markdown, plot) and the explanation of one run.
 
-Lesson 7 measures (compute and communication per step, samples/s); this module records each run as one row
-of run_dir/timings.csv, keeps the latest run of each world size per configuration in scaling.csv,
-scaling.md and scaling.png, and says with the run's own numbers whether more ranks paid off.
+Lesson 7 measures (the parts of a step: compute, communication not overlapped, fixed costs; samples/s; the
+CPU other programs used meanwhile); this module records each run as one row of run_dir/timings.csv, keeps
+the latest run of each world size per configuration in scaling.csv, scaling.md and scaling.png, and says
+with the run's own numbers whether the parts account for the training's step, what speed-up they predict,
+and whether more ranks paid off.
 
 Noise: the steps of a run are cut into NOISE_BLOCKS blocks of consecutive steps; half the range of the
 blocks' speeds, relative to the run's speed, is the run's noise.  A speed-up (the ratio of two runs) carries
@@ -23,9 +25,11 @@ from course.output import write_csv
 
 COLUMNS = ["date", "host", "world_size", "threads_per_rank", "model", "batch_per_rank", "device", "backend",
            "epochs", "samples", "train_seconds", "samples_per_second", "step_ms", "compute_ms", "comm_ms",
-           "comm_share", "allreduce_ms", "load", "noise"]
+           "comm_share", "allreduce_ms", "load", "noise", "fixed_ms", "other_cores"]
 NOISE_BLOCKS = 5
 LESSON = "day1/7_mnist_ddp_pt_timing.py"
+ACCOUNTED = 0.15  # the parts "account for" a step when they add up to it within this share
+BUSY = 0.5  # other programs using more cores than this make a run's timings a statement about them
 
 
 def noise(step_seconds: list) -> float:
@@ -49,6 +53,20 @@ def add_world_size(p):
     p.add_argument("--nproc", type=positive_int, default=argparse.SUPPRESS,
                    help="processes to spawn when started with plain python (ignored under torchrun/srun, "
                         "which choose the world size) (default: 2)")
+    return p
+
+
+def add_args(p):
+    """Lesson 7's options besides lesson 6's: the world size, --sweep, --fresh, --probe-steps."""
+    from course.cli import positive_int
+
+    add_world_size(p)
+    p.add_argument("--sweep", action="store_true",
+                   help="run world sizes 1, 2, ..., N one after another, N from world_size or --nproc "
+                        "(plain python only)")
+    p.add_argument("--fresh", action="store_true", help="drop the earlier rows of run_dir/timings.csv first")
+    p.add_argument("--probe-steps", type=positive_int, default=20,
+                   help="times each part of a step is timed before training (medians are kept)")
     return p
 
 
@@ -89,21 +107,48 @@ def time_allreduce(numel: int, steps: int, device) -> float:
     return min(times[3:])
 
 
+def cpu_seconds() -> tuple:
+    """(CPU seconds this node has been busy, all programs together; CPU seconds of this process; the clock),
+    or None where /proc/stat does not exist."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    return busy, time.process_time(), time.perf_counter()
+
+
+def other_cores(before, local_world_size: int) -> float:
+    """This rank's share of the cores that programs other than the ranks kept busy on its node since
+    `before` (cpu_seconds()): the node's busy time split evenly over its ranks, less this rank's own, per
+    second, so that the sum over all ranks is the cores other programs used on all nodes."""
+    after = cpu_seconds()
+    if not (before and after) or after[2] <= before[2]:
+        return 0.0
+    busy, own, wall = (a - b for a, b in zip(after, before))
+    return (busy / local_world_size - own) / wall
+
+
 def row(args, world_size: int, device, epochs: int, samples: int, step_seconds: list, compute_ms: float,
-        comm_ms: float, allreduce_ms: float, load: float) -> dict:
-    """One run's row of timings.csv."""
+        comm_ms: float, fixed_ms: float, allreduce_ms: float, other_cores: float) -> dict:
+    """One run's row of timings.csv.  load: the 1-minute load average (processes wanting a core, the ranks
+    included); other_cores: how many cores other programs kept busy during training, on average."""
     import torch
     import torch.distributed as dist
 
     train_seconds = sum(step_seconds)
+    step_ms = compute_ms + comm_ms + fixed_ms
     return {"date": datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),
             "world_size": world_size, "threads_per_rank": torch.get_num_threads(), "model": args.model,
             "batch_per_rank": args.batch_size, "device": device.type, "backend": dist.get_backend(),
             "epochs": epochs, "samples": samples, "train_seconds": round(train_seconds, 6),
             "samples_per_second": round(samples / train_seconds, 1),
             "step_ms": round(train_seconds * 1000 / len(step_seconds), 3), "compute_ms": round(compute_ms, 3),
-            "comm_ms": round(comm_ms, 3), "comm_share": round(comm_ms / (compute_ms + comm_ms), 3),
-            "allreduce_ms": round(allreduce_ms, 3), "load": round(load, 2), "noise": round(noise(step_seconds), 4)}
+            "comm_ms": round(comm_ms, 3), "comm_share": round(comm_ms / step_ms, 3),
+            "allreduce_ms": round(allreduce_ms, 3), "load": round(os.getloadavg()[0], 2),
+            "noise": round(noise(step_seconds), 4), "fixed_ms": round(fixed_ms, 3),
+            "other_cores": round(max(0.0, other_cores), 2)}
 
 
 def config(row) -> tuple:
@@ -140,6 +185,18 @@ def _noise(row) -> float:
     return float(row.get("noise") or 0.0)  # rows written before the noise was recorded: unknown, 0
 
 
+def parts(row) -> tuple:
+    """(compute, communication not overlapped, fixed costs): ms per step on each rank, timed before training
+    (rows written before the fixed costs were timed have 0 for them)."""
+    return float(row["compute_ms"]), float(row["comm_ms"]), float(row.get("fixed_ms") or 0.0)
+
+
+def predicted(row, base) -> float:
+    """The speed-up the parts predict: W ranks do W*b samples in s_W = c_W + m_W + f_W ms, 1 rank does b
+    samples in s_1 ms, so W * s_1 / s_W."""
+    return int(row["world_size"]) * sum(parts(base)) / sum(parts(row))
+
+
 def summarize(rows: list) -> list:
     """The latest run of each world size per configuration, with its speed-up over 1 rank (and its noise)."""
     latest = {}
@@ -151,6 +208,7 @@ def summarize(rows: list) -> list:
         base = latest.get(key[:4] + (1,))
         speedup = float(r["samples_per_second"]) / float(base["samples_per_second"]) if base else None
         spread = speedup * math.hypot(_noise(r), _noise(base)) if base and base is not r else 0.0
+        c, m, f = parts(r)
         table.append({"host": r["host"], "device": r["device"], "model": r["model"],
                       "batch_per_rank": int(r["batch_per_rank"]), "world_size": int(r["world_size"]),
                       "threads_per_rank": int(r["threads_per_rank"]), "samples": int(r["samples"]),
@@ -158,14 +216,16 @@ def summarize(rows: list) -> list:
                       "samples_per_second": float(r["samples_per_second"]),
                       "speedup": round(speedup, 3) if speedup is not None else "",
                       "speedup_noise": round(spread, 3) if speedup is not None else "",
-                      "compute_ms": float(r["compute_ms"]), "comm_ms": float(r["comm_ms"]),
-                      "comm_share": float(r["comm_share"]), "date": r["date"]})
+                      "predicted": round(predicted(r, base), 3) if base else "",
+                      "compute_ms": c, "comm_ms": m, "fixed_ms": f, "parts_ms": round(c + m + f, 3),
+                      "step_ms": float(r["step_ms"]), "comm_share": float(r["comm_share"]),
+                      "other_cores": float(r.get("other_cores") or 0.0), "date": r["date"]})
     return table
 
 
 def markdown(table: list) -> str:
     head = ["model", "batch/rank", "device", "ranks x threads", "samples", "train s", "samples/s", "speed-up",
-            "compute ms/step", "comm ms/step", "comm share"]
+            "predicted", "compute ms", "comm ms", "fixed ms", "parts ms", "step ms", "comm share", "others' cores"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
         if r["speedup"] == "":
@@ -174,10 +234,12 @@ def markdown(table: list) -> str:
             speedup = f"{r['speedup']:.2f}x"
         else:
             speedup = f"{r['speedup']:.2f}x ± {r['speedup_noise']:.2f}"
+        guess = f"{r['predicted']:.2f}x" if r["predicted"] != "" else ""
         lines.append(f"| {r['model']} | {r['batch_per_rank']} | {r['device']} | "
                      f"{r['world_size']} x {r['threads_per_rank']} | {r['samples']} | {r['train_seconds']:.2f} | "
-                     f"{r['samples_per_second']:.0f} | {speedup} | {r['compute_ms']:.3f} | {r['comm_ms']:.3f} | "
-                     f"{r['comm_share']:.0%} |")
+                     f"{r['samples_per_second']:.0f} | {speedup} | {guess} | {r['compute_ms']:.3f} | "
+                     f"{r['comm_ms']:.3f} | {r['fixed_ms']:.3f} | {r['parts_ms']:.3f} | {r['step_ms']:.3f} | "
+                     f"{r['comm_share']:.0%} | {r['other_cores']:.2f} |")
     return "\n".join(lines)
 
 
@@ -197,11 +259,15 @@ def plot(path: Path, table: list) -> None:
         sizes = [r["world_size"] for r in rows]
         ax_time.plot(sizes, [1e4 / r["samples_per_second"] for r in rows], "o-", label=label)
         with_base = [r for r in rows if r["speedup"] != ""]
-        ax_speed.errorbar([r["world_size"] for r in with_base], [r["speedup"] for r in with_base],
-                          yerr=[r["speedup_noise"] for r in with_base], fmt="o-", capsize=3, label=label)
+        line = ax_speed.errorbar([r["world_size"] for r in with_base], [r["speedup"] for r in with_base],
+                                 yerr=[r["speedup_noise"] for r in with_base], fmt="o-", capsize=3,
+                                 label=f"{label}: measured")
+        ax_speed.plot([r["world_size"] for r in with_base], [r["predicted"] for r in with_base], "x--",
+                      color=line[0].get_color(), label=f"{label}: predicted from the parts")
     ax_speed.plot([1, top], [1, top], "k:", label="ideal (W times)")
     ax_time.set(xlabel="world size (ranks)", ylabel="training time per 10 000 samples (s)", title="time")
-    ax_speed.set(xlabel="world size (ranks)", ylabel="speed-up over 1 rank", title="speed-up (± noise)")
+    ax_speed.set(xlabel="world size (ranks)", ylabel="speed-up over 1 rank",
+                 title="speed-up: measured (± noise) and predicted")
     for ax in (ax_time, ax_speed):
         ax.grid(alpha=0.3)
         ax.set_xticks(range(1, top + 1))
@@ -226,46 +292,55 @@ def advice(row: dict) -> str:
 
 
 def explain(row: dict, table: list, numel: int, run_dir: Path) -> None:
-    """Say, with this run's numbers, whether this world size pays off and why."""
-    w, b, c, m = row["world_size"], row["batch_per_rank"], row["compute_ms"], row["comm_ms"]
-    print(f"{w} ranks x {row['threads_per_rank']} threads, {row['model']} at batch {b} per rank: "
-          f"compute {c:.3f} ms/step, communication {m:.3f} ms/step -> {row['comm_share']:.0%} of a step "
-          f"is communication (the fastest bare all_reduce of the {numel * 4 / 1e6:.2f} MB of gradients: "
-          f"{row['allreduce_ms']:.3f} ms)", flush=True)
-    cores = os.cpu_count()
-    if row["load"] > cores + 1:
-        print(f"note: load {row['load']:.1f} on {cores} cores: more processes wanted a core than there were "
-              f"(other programs, or more ranks than cores); threads that wait for a core stall each other, "
-              f"and these timings are noisy")
+    """Say, with this run's numbers, whether its parts account for its step, what speed-up they predict,
+    and whether this world size pays off and why."""
+    w, b, t = row["world_size"], row["batch_per_rank"], row["threads_per_rank"]
+    c, m, f = parts(row)
+    s, step, cores = c + m + f, row["step_ms"], os.cpu_count()
+    print(f"{w} ranks x {t} threads, {row['model']} at batch {b} per rank: compute {c:.3f} ms/step, "
+          f"communication {m:.3f} ms/step, fixed costs {f:.3f} ms/step (timed before training) -> a step of "
+          f"{s:.3f} ms, {row['comm_share']:.0%} of it communication (the fastest bare all_reduce of the "
+          f"{numel * 4 / 1e6:.2f} MB of gradients: {row['allreduce_ms']:.3f} ms)", flush=True)
+    print(f"training took {step:.3f} ms per step: the parts add up to {s / step:.0%} of it")
+    if row["other_cores"] > BUSY:
+        print(f"note: other programs kept {row['other_cores']:.2f} of the {cores} cores busy during training: "
+              f"a thread that waits for a core stalls the others, and these timings say as much about those "
+              f"programs as about DDP")
+    if abs(s / step - 1) > ACCOUNTED:
+        print(f"the parts miss {step - s:+.3f} ms of a training step: " + missing(row, cores))
     if w == 1:
         print("1 rank has nobody to talk to: its 'communication' is DDP's own bookkeeping around a 1-rank "
               "all_reduce, and noise.  This is the baseline the other world sizes are compared with.")
         return
-    print(f"with {w} ranks expect at most {w} x {c:.3f} / ({c:.3f} + {m:.3f}) = {w * c / (c + m):.2f}x the "
-          f"speed of 1 rank, if each rank had the compute of 1 rank (its own GPU, its own cores)")
     base = next((r for r in table if config(r) == config(row) and r["world_size"] == 1), None)
     if base is None:
         print(f"no 1-rank run with these settings in {run_dir}; add one with: python {LESSON} 1 --model "
               f"{row['model']} --batch-size {b} --run-dir {run_dir} (or run with --sweep)")
         return
     this = next(r for r in table if config(r) == config(row) and r["world_size"] == w)
-    c1, t1, t = base["compute_ms"], base["threads_per_rank"], row["threads_per_rank"]
+    c1, m1, f1 = parts(base)
+    s1, t1 = c1 + m1 + f1, base["threads_per_rank"]
     measured = row["samples_per_second"] / base["samples_per_second"]
     spread = this["speedup_noise"]
     relative = spread / measured if measured else 0.0
-    gain = w * c1 / c
-    print(f"1 rank x {t1} threads computes a step of {b} samples in {c1:.3f} ms, each of {w} ranks x {t} "
-          f"threads in {c:.3f} ms: speed-up = {w} x c_1 / (c_{w} + m_{w}) = {w} x {c1:.3f} / ({c:.3f} + "
-          f"{m:.3f}) = {w * c1 / (c + m):.2f}x predicted, {measured:.2f}x measured over the whole training "
-          f"(± {spread:.2f}: the spread of the steps' speeds in both runs)")
-    print(f"  = {gain:.2f}x from splitting the cores into ranks ({w} x c_1 / c_{w}) x {c / (c + m):.2f}, the "
-          f"share of a step left after communication (c_{w} / (c_{w} + m_{w}))")
+    gain = w * (c1 + f1) / (c + f)
+    left, left1 = (c + f) / s, (c1 + f1) / s1
+    print(f"speed-up = {w} x s_1 / s_{w} = {w} x {s1:.3f} / {s:.3f} = {w * s1 / s:.2f}x predicted, "
+          f"{measured:.2f}x measured over the whole training (± {spread:.2f}: the spread of the steps' speeds "
+          f"in both runs)")
+    print(f"  = {gain:.2f}x from splitting the cores into ranks ({w} x (c_1 + f_1) / (c_{w} + f_{w}): {w} "
+          f"processes x {t} threads against 1 process x {t1} threads, on a step's work without communication) "
+          f"x {left / left1:.2f} from communication (what it leaves of a step: {left:.2f} with {w} ranks, "
+          f"{left1:.2f} with 1)")
+    print(f"with a GPU or node of its own, each rank would keep the compute and fixed costs of 1 rank: about "
+          f"{w} x {s1:.3f} / ({c1:.3f} + {f1:.3f} + {m:.3f}) = {w * s1 / (c1 + f1 + m):.2f}x, with the "
+          f"communication measured here")
     if gain * (1 - relative) > 1:
-        split = f"{w} processes x {t} threads compute {gain:.2f}x faster than 1 process x {t1} threads " \
-                f"(small operations split badly over threads, and a thread waiting for a busy core stalls " \
-                f"the others)"
+        split = f"{w} processes x {t} threads do a step's work {gain:.2f}x faster than 1 process x {t1} " \
+                f"threads (small operations split badly over threads, and a thread waiting for a busy core " \
+                f"stalls the others)"
     elif gain * (1 + relative) < 1:
-        split = f"{w} processes x {t} threads compute slower than 1 process x {t1} threads ({gain:.2f}x)"
+        split = f"{w} processes x {t} threads do a step's work slower than 1 process x {t1} threads ({gain:.2f}x)"
     else:
         split = (f"the {w} ranks share the cores 1 process had: they add no cores, and how much better they use "
                  f"them ({gain:.2f}x) is within the noise")
@@ -276,6 +351,20 @@ def explain(row: dict, table: list, numel: int, run_dir: Path) -> None:
     else:
         verdict = "make no measurable difference"
     print(f"{w} ranks {verdict} here ({measured:.2f}x ± {spread:.2f} against 1.0): {split}; communication "
-          f"costs {m:.3f} ms of every {c + m:.3f} ms step ({row['comm_share']:.0%}).", flush=True)
+          f"costs {m:.3f} ms of every {s:.3f} ms step ({row['comm_share']:.0%}).", flush=True)
     if verdict != "pay off":
         print(advice(row), flush=True)
+
+
+def missing(row: dict, cores: int) -> str:
+    """Why the parts timed before training need not add up to a training step: what no part can time."""
+    if row["other_cores"] > BUSY:
+        return ("other programs took cores while the ranks trained, at other moments than while the parts "
+                "were timed")
+    if row["world_size"] * row["threads_per_rank"] > cores:
+        return (f"{row['world_size']} ranks x {row['threads_per_rank']} threads on {cores} cores take turns: "
+                f"a rank that waits for a core holds up the others at the next all_reduce, and how often that "
+                f"happens differs between the probe (every part starts after a barrier) and training")
+    return ("each part was timed on its own, every rank starting together after a barrier; in training the "
+            "parts run back to back and the ranks drift apart (the wait for the slowest rank, and the loop "
+            "itself, are not in the parts)")

@@ -6,26 +6,31 @@
     torchrun --nproc_per_node=4 day1/7_mnist_ddp_pt_timing.py     # one run; every call adds one row
     srun --ntasks=4 python day1/7_mnist_ddp_pt_timing.py
 
-A data-parallel step is compute (forward + backward on b samples per rank) plus communication (the
-all_reduce of the gradients, and waiting for the slowest rank).  Before training, every rank times a few
-steps inside DDP's `no_sync()` (compute alone) and a few without it (compute + all_reduce); the difference
-is what communication costs per step.  W ranks do W*b samples per step in c_W + m_W ms, one process does
-b samples in c_1 ms, so
+A data-parallel training step has three parts:
 
-    speed-up = W * c_1 / (c_W + m_W)
+    step = compute + communication not overlapped + fixed costs
+    s_W  = c_W     + m_W                          + f_W          (ms, on each of W ranks)
 
-On a GPU node each rank brings its own GPU, c_W stays c_1, and only communication stands between you and
-a speed-up of W.  On one CPU the ranks share the same cores (each gets cores // ranks threads), so W ranks
-cannot add cores, only use them differently: more ranks pay off only when one process could not keep its
-threads busy (the CNN's small convolutions at batch 512) and the all_reduce is small next to a step.  The
-MLP's step is so short that the all_reduce of its 0.4 MB of gradients eats any gain.  On an idle 2-core
-VM (--quick) 2 ranks x 1 thread ran the CNN at batch 512 1.05-1.31x faster than 1 process x 2 threads
-(this sweep and benchmarks/bench.py, 2026-11-22), and the MLP slower at every batch size.  On a busy
-machine (load above the number of cores) threads wait for cores and stall each other, and 1 process x 2
-threads crawls: at load 6-8 on 2 cores 2 ranks x 1 thread were 3.5x (CNN) to 15-25x (MLP) faster, which
-says more about the load than about DDP.  So every row records the load, and the lesson warns when it is
-high.  Training time excludes the evaluation.  A speed-up is judged against 1.0 with its noise: the spread
-of the speeds of blocks of consecutive steps within each run (course/timing.py says how).
+compute is forward + backward on b samples per rank; communication not overlapped is what the gradient
+all_reduce adds to backward (the part DDP could not hide behind it, waiting for the slowest rank included);
+fixed costs are the rest of a step: the next batch, zero_grad and the optimizer's step.  Before training,
+every rank times each part on its own, a few times, interleaved: forward + backward inside DDP's
+`no_sync()` (c), the same with the all_reduce (c + m), and the rest of a step, with a twin of the optimizer
+whose learning rate is 0 (the same work, the weights stay as they are).  W ranks do W*b samples per step
+in s_W ms, one process does b samples in s_1 ms, so the lesson predicts
+
+    speed-up = W * s_1 / s_W
+
+and compares it with the speed-up measured over the whole training.  On a GPU node each rank brings its
+own GPU, c_W and f_W stay c_1 and f_1, and only communication stands between you and a speed-up of W.
+On one CPU the ranks share the same cores (each gets cores // ranks threads), so W ranks cannot add
+cores, only use them differently: more ranks pay off only when one process could not keep its threads
+busy (the CNN's small convolutions at batch 512) and the all_reduce is small next to a step.  The MLP's
+step is so short that the all_reduce of its 0.4 MB of gradients eats any gain.  Other programs on the
+machine slow every part (a thread waiting for a core stalls the others), and the table records how many
+cores they used during training.  Training time excludes the evaluation.  A speed-up is judged against
+1.0 with its noise: the spread of the speeds of blocks of consecutive steps within each run
+(course/timing.py says how).
 
 Each run appends a row to run_dir/timings.csv; rank 0 rewrites the table (scaling.md, scaling.csv) and the
 plot (scaling.png) from the latest run of each world size and configuration; --fresh starts over
@@ -33,7 +38,6 @@ plot (scaling.png) from the latest run of each world size and configuration; --f
 training, not of batching) or dataloader, as in lesson 6.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
-import os
 import statistics
 import sys
 import time
@@ -65,23 +69,38 @@ def wait_for(device):
         torch.cuda.synchronize(device)
 
 
-def time_steps(model, x, y, steps, device):
-    """Median ms of forward + backward on this rank: (without the gradient all_reduce, with it)."""
-    def one(sync):
-        model.zero_grad(set_to_none=True)
+def endless(loader):
+    """The loader's batches, epoch after epoch: the probe may need more batches than one epoch holds."""
+    while True:
+        yield from loader
+
+
+def time_steps(model, optimizer, loader, steps, device):
+    """Median ms of the parts of a training step on this rank: (forward + backward without the gradient
+    all_reduce, forward + backward with it, the rest of a step)."""
+    twin = type(optimizer)(model.parameters(), **{**optimizer.defaults, "lr": 0.0})  # lr 0: weights stay
+    source = endless(loader)
+    x, y = next(source)
+
+    def clocked(part, *args):
         dist.barrier()  # DIST: all ranks start together, so one rank's head start is not counted as waiting
         wait_for(device)
         start = time.perf_counter()
-        with nullcontext() if sync else model.no_sync():  # DDP: no_sync() skips the all_reduce
-            F.cross_entropy(model(x), y).backward()
+        part(*args)
         wait_for(device)
         return (time.perf_counter() - start) * 1000
 
-    for _ in range(3):  # warm-up: the first calls allocate memory and pick kernels
-        one(False), one(True)
-    compute, synced = zip(*[(one(False), one(True)) for _ in range(steps)])  # interleaved: same noise
-    model.zero_grad(set_to_none=True)
-    return statistics.median(compute), statistics.median(synced)
+    def forward_backward(sync):
+        optimizer.zero_grad()  # as in training: backward starts without gradients
+        with nullcontext() if sync else model.no_sync():  # DDP: no_sync() skips the all_reduce
+            F.cross_entropy(model(x), y).backward()
+
+    def rest():  # what a training step does besides zero_grad, forward and backward
+        next(source), twin.step()
+
+    times = [(clocked(forward_backward, False), clocked(forward_backward, True), clocked(rest))
+             for _ in range(steps + 3)]  # interleaved: the same noise; the first 3 warm up (memory, kernels)
+    return [statistics.median(part) for part in zip(*times[3:])]
 
 
 def worker(info, args):
@@ -107,16 +126,15 @@ def worker(info, args):
         loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     else:  # the same batches, each gathered from the in-memory tensors at once (data_tools/datasets.py)
         loader = batches(train_set, sampler, args.batch_size)
-    x, y = next(iter(batches(train_set, sampler, args.batch_size)))  # a real batch; no optimizer step
     numel = sum(p.numel() for p in model.parameters())
-    compute_ms, synced_ms = time_steps(model, x, y, args.probe_steps, device)
+    compute_ms, synced_ms, fixed_ms = time_steps(model, optimizer, loader, args.probe_steps, device)
     allreduce_ms = timing.time_allreduce(numel, args.probe_steps, device)  # the wire cost alone
-    probe = torch.tensor([compute_ms, synced_ms, allreduce_ms], dtype=torch.float64, device=device)
+    probe = torch.tensor([compute_ms, synced_ms, fixed_ms, allreduce_ms], dtype=torch.float64, device=device)
     dist.all_reduce(probe)  # DIST: the mean over ranks of each rank's medians
-    compute_ms, synced_ms, allreduce_ms = (probe / world_size).tolist()
+    compute_ms, synced_ms, fixed_ms, allreduce_ms = (probe / world_size).tolist()
     comm_ms = max(0.0, synced_ms - compute_ms)
 
-    load = os.getloadavg()[0]  # processes wanting a core, averaged over the last minute: others' too
+    cpu = timing.cpu_seconds()  # this node's busy CPU time and this rank's: what other programs took
     prof = maybe_profile(args, rank, device)  # --profile: lesson 5's traces and TensorBoard scalars
     losses, step, step_seconds = [], 0, []
     for epoch in range(args.epochs):
@@ -144,6 +162,8 @@ def worker(info, args):
         if step == args.max_steps:
             break
     seconds = sum(step_seconds)
+    others = torch.tensor(timing.other_cores(cpu, info.local_world_size), dtype=torch.float64, device=device)
+    dist.all_reduce(others)  # DIST: the cores other programs kept busy on every node during training
     prof.close()
     rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch)")
 
@@ -152,7 +172,7 @@ def worker(info, args):
         samples = min(step * world_size * args.batch_size, args.epochs * world_size * len(sampler))
         run = args.run_dir
         row = timing.row(args, world_size, device, epoch + 1, samples, step_seconds, compute_ms, comm_ms,
-                         allreduce_ms, load)
+                         fixed_ms, allreduce_ms, others.item())
         table = timing.record(run, row, fresh=args.fresh)  # timings.csv, scaling.csv/.md/.png
         # metrics.json, model.pt, loss.png; this lesson's closing lines are the table and its verdict
         results.write(args, model, losses, seconds, accuracy, test_loss, len(sampler), line=False, timing=row)
@@ -175,13 +195,7 @@ def run(args, parser):
 
 def build_parser():
     p = cli.add_loader(cli.add_distributed(cli.parser(__doc__, "day1/7_mnist_ddp_pt_timing.py")), "memory")
-    timing.add_world_size(p)  # `python 7_mnist_ddp_pt_timing.py 4`, as in the original workshop, or --nproc 4
-    p.add_argument("--sweep", action="store_true",
-                   help="run world sizes 1, 2, ..., N one after another, N from world_size or --nproc "
-                        "(plain python only)")
-    p.add_argument("--fresh", action="store_true", help="drop the earlier rows of run_dir/timings.csv first")
-    p.add_argument("--probe-steps", type=cli.positive_int, default=20,
-                   help="steps timed with and without the gradient all_reduce before training")
+    timing.add_args(p)  # `python 7_mnist_ddp_pt_timing.py 4`, as in the original workshop, --sweep, --fresh
     p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0,
                    help="DDP's gradient bucket size in MB (the MLP's gradients are 0.4 MB: one bucket)")
     return add_profile_args(p)

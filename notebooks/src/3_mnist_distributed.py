@@ -85,13 +85,28 @@ axes[1].set(xlabel="processes", ylabel="steps", title="work done vs. work that m
 axes[1].legend()
 fig.tight_layout()
 plt.show()
+
+import os
+
+from course.output import load_weights
+
 single = read_json(RUN / "nproc1" / "metrics.json")
 slowest, alone = max(seconds[NPROC]), seconds[1][0]
+ranks_w, single_w = load_weights(RUN / "model.pt"), load_weights(RUN / "nproc1" / "model.pt")
+diff = max((ranks_w[k] - single_w[k]).abs().max().item() for k in ranks_w)
+largest = max(w.abs().max().item() for w in ranks_w.values())
+threads = {n: int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // n)
+           for n in seconds}  # what course/devices.py gives each rank
 md(f"Here the slowest of the {NPROC} ranks trained for {slowest:.2f} s and the single process for {alone:.2f} s "
-   f"({slowest / alone:.1f}x as long): {NPROC} x {m['steps']} steps computed, {m['steps']} of them useful."
-   + ("" if single["ranks"][0]["weights"] == m["ranks"][0]["weights"] else
-      " The single process's weights fingerprint differs from the ranks' in the last bits: it ran "
-      "on more threads, which add up the same numbers in a different order."))
+   f"({slowest / alone:.1f}x as long): {NPROC} x {m['steps']} steps computed, {m['steps']} of them useful. "
+   + (f"Per step of {m['batch_size']} samples, each of {NPROC} processes x {threads[NPROC]} thread(s) took "
+      f"{slowest / m['steps'] * 1000:.2f} ms against {alone / m['steps'] * 1000:.2f} ms for 1 process x "
+      f"{threads[1]} thread(s): together {NPROC * alone / slowest:.2f}x the work of one process in the same time, "
+      f"from the same cores. Lesson 7 measures this split again (its 'splitting the cores into ranks'), with "
+      f"the gradients' all_reduce on top. " if DEVICE else "")
+   + ("The single process ended with exactly the ranks' weights." if diff == 0 else
+      f"The single process's weights differ from the ranks' by at most {diff:.1e} (the largest weight is "
+      f"{largest:.2f}): it ran on more threads, which add up the same numbers in a different order."))
 
 # %% [markdown]
 # ## Try it yourself
