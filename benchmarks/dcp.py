@@ -8,15 +8,24 @@ SGD step so that the momentum exists: the state is the weights and the momentum,
   slowest rank's time, best of the rounds (each round writes a new directory).
 - load: dcp.load into every rank's shards (+ set_state_dict) against torch.load of the one file on every
   rank, then set_state_dict(full_state_dict=True), which keeps each rank's rows.
+- digest: the sha256 of every file a save wrote, each rank its own file (as lesson 16's
+  dcp_checkpoints.Writer does inside the save; rank 0 also .metadata), against dcp.save itself; the sha256
+  of lesson 12's one file against torch.save on rank 0; and at a load each rank hashing its share of the
+  files, against dcp.load.  The course's goal: the digest at most 10 % of the save.
 - stall: k training steps with no save, with a dcp.save after every step, and with a dcp.async_save after
-  every step (on a gloo group of its own; each save first waits for the previous one, as lesson 16 does):
-  the extra time per step against no save is the save's stall on the training loop.
+  every step, with its thread executor and with its process executor (on a gloo group of its own; each save
+  first waits for the previous one, as lesson 16 does; every save through lesson 16's Writer): the extra time
+  per step against no save is the save's stall on the training loop.  async_save copies (stages) the state
+  to CPU memory before it returns: the time in that call is measured for every save, and the copy alone
+  (the Writer's stage(), which async_save calls) once per round, to say which part of the stall it is.  The
+  process executor starts a process per rank at its first save: that first save is timed apart.
 The files go to a directory under --out, so mostly to the page cache: the rows measure the checkpoint code
 path, the collectives and the serialization, not a parallel file system.  On one 2-core machine the ranks
 and the async saver's thread share the cores.
 """
 import itertools
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -25,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks.common import Row, max_over_ranks, spawn
+from course.checkpoints import sha256_of
 from course.models import ViT
 from data_tools.datasets import InMemoryMNIST
 
@@ -40,6 +50,9 @@ def _timed(fn) -> float:
 def _worker(rank, world, cfg):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from course.dcp_checkpoints import Writer
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -92,11 +105,22 @@ def _worker(rank, world, cfg):
         set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"],
                        options=StateDictOptions(full_state_dict=True))
 
-    best = {k: float("inf") for k in ("dcp save", "rank-0 save", "dcp load", "file load")}
+    def own_files(path):  # what dcp_checkpoints.Writer hashes on this rank (rank 0 also .metadata, at publish)
+        return [p for p in sorted(path.iterdir()) if p.name.startswith(f"__{rank}_")
+                or (rank == 0 and p.name == ".metadata")]
+
+    def share(path):  # what each rank verifies at a resume: every W-th file by name
+        return sorted(p for p in path.iterdir() if p.is_file())[rank::world]
+
+    names = ("dcp save", "rank-0 save", "dcp load", "file load", "dcp digest", "file digest", "share digest")
+    best = {k: float("inf") for k in names}
     for _ in range(cfg["rounds"]):
         a, b = fresh(), fresh()
         best["dcp save"] = min(best["dcp save"], _timed(lambda: dcp_save(a)))
         best["rank-0 save"] = min(best["rank-0 save"], _timed(lambda: rank0_save(b)))
+        best["dcp digest"] = min(best["dcp digest"], _timed(lambda: [sha256_of(f) for f in own_files(a)]))
+        best["file digest"] = min(best["file digest"], _timed(lambda: rank == 0 and sha256_of(b / "state.pt")))
+        best["share digest"] = min(best["share digest"], _timed(lambda: [sha256_of(f) for f in share(a)]))
         best["dcp load"] = min(best["dcp load"], _timed(lambda: dcp_load(a)))
         best["file load"] = min(best["file load"], _timed(lambda: file_load(b)))
         dist.barrier()
@@ -104,20 +128,34 @@ def _worker(rank, world, cfg):
             shutil.rmtree(a), shutil.rmtree(b)
 
     saver = dist.new_group(backend="gloo")
-    pending = []
+    pending, calls = [], {"thread": [], "process": []}
 
-    def async_save():
+    def async_save(kind):
         if pending:
             pending.pop().result()  # the previous save written before the next begins
         m, o = get_state_dict(model, optimizer)
-        pending.append(dcp.async_save({"model": m, "optimizer": o}, checkpoint_id=fresh(), process_group=saver))
+        called = time.perf_counter()
+        pending.append(dcp.async_save({"model": m, "optimizer": o}, storage_writer=Writer(fresh()), process_group=saver,
+                                      async_checkpointer_type=AsyncCheckpointerType(kind)))
+        calls[kind].append(time.perf_counter() - called)  # the copy (staging), then the hand-over
 
     def sync_save():
-        dcp_save(fresh())
+        m, o = get_state_dict(model, optimizer)
+        dcp.save({"model": m, "optimizer": o}, storage_writer=Writer(fresh()))
 
-    def with_async():
-        steps(k, async_save)
-        pending.pop().result()  # the last one is written before the clock stops
+    def with_async(kind):
+        return lambda: (steps(k, lambda: async_save(kind)), pending.pop().result())  # the last one written too
+
+    def copy_alone():  # what async_save does before it returns: the Writer's stage(), a copy to CPU memory
+        m, o = get_state_dict(model, optimizer)
+        Writer(root / "unused").stage({"model": m, "optimizer": o})
+
+    def first_save():  # the process executor's first save starts a process per rank (a fresh Python, torch)
+        async_save("process")
+        pending.pop().result()
+
+    first_process = _timed(first_save)
+    calls["process"].clear()
 
     def clean():
         dist.barrier()
@@ -125,14 +163,17 @@ def _worker(rank, world, cfg):
             shutil.rmtree(root, ignore_errors=True)
 
     k = cfg["steps"]
-    step = {k_: float("inf") for k_ in ("none", "sync", "async")}
+    step = {k_: float("inf") for k_ in ("none", "sync", "thread", "process", "copy")}
     for _ in range(cfg["rounds"]):
         step["none"] = min(step["none"], _timed(lambda: steps(k)) / k)
         step["sync"] = min(step["sync"], _timed(lambda: steps(k, sync_save)) / k)
         clean()
-        step["async"] = min(step["async"], _timed(with_async) / k)
-        clean()
-    return {"best": best, "step": step, "bytes": state_bytes}
+        for kind in ("thread", "process"):
+            step[kind] = min(step[kind], _timed(with_async(kind)) / k)
+            clean()
+        step["copy"] = min(step["copy"], _timed(copy_alone))
+    call = {kind: max_over_ranks(statistics.median(c)) for kind, c in calls.items()}
+    return {"best": best, "step": step, "bytes": state_bytes, "call": call, "first_process": first_process}
 
 
 def run(ctx):
@@ -159,8 +200,28 @@ def run(ctx):
                 note=f"batch {cfg['batch']} per rank, best of {cfg['rounds']} rounds of {cfg['steps']} steps"),
             Row("dcp", f"{tag} stall per step, dcp.save after every step", (s["sync"] - s["none"]) * 1e3, "ms",
                 s["sync"] / s["none"], "step without a save (> 1: slower)"),
-            Row("dcp", f"{tag} stall per step, dcp.async_save after every step", (s["async"] - s["none"]) * 1e3,
-                "ms", s["async"] / s["none"], "step without a save (> 1: slower)",
-                note=f"async / sync stall: {(s['async'] - s['none']) / max(s['sync'] - s['none'], 1e-9):.2f}"),
+            Row("dcp", f"{tag} stall per step, dcp.async_save after every step", (s["thread"] - s["none"]) * 1e3,
+                "ms", s["thread"] / s["none"], "step without a save (> 1: slower)",
+                note=f"thread executor (the default); async / sync stall: "
+                     f"{(s['thread'] - s['none']) / max(s['sync'] - s['none'], 1e-9):.2f}"),
+            Row("dcp", f"{tag} stall per step, dcp.async_save (process executor) after every step",
+                (s["process"] - s["none"]) * 1e3, "ms", s["process"] / s["none"], "step without a save (> 1: slower)",
+                note=f"process / thread stall: {(s['process'] - s['none']) / max(s['thread'] - s['none'], 1e-9):.2f}; "
+                     f"its first save (starts a process per rank) took {r['first_process']:.1f} s, not counted"),
+            Row("dcp", f"{tag} async_save's call until it returns, thread executor", r["call"]["thread"] * 1e3, "ms",
+                r["call"]["thread"] / max(s["thread"] - s["none"], 1e-9), "its stall per step",
+                note="median over the saves, slowest rank; staging (the copy) happens in this call"),
+            Row("dcp", f"{tag} async_save's call until it returns, process executor", r["call"]["process"] * 1e3, "ms",
+                r["call"]["process"] / max(s["process"] - s["none"], 1e-9), "its stall per step"),
+            Row("dcp", f"{tag} the copy alone (the Writer's stage(), as async_save calls it)", s["copy"] * 1e3, "ms",
+                s["copy"] / max(r["call"]["thread"], 1e-9), "async_save's call, thread executor",
+                note="best of the rounds, slowest rank"),
+            Row("dcp", f"{tag} sha256 of every file of a save, each rank its own (lesson 16)",
+                b["dcp digest"] * 1e3, "ms", b["dcp digest"] / b["dcp save"], "dcp.save of the same state",
+                note="slowest rank, best of the rounds").check("<=", 0.10),
+            Row("dcp", f"{tag} sha256 of the one file on rank 0 (lesson 12)", b["file digest"] * 1e3, "ms",
+                b["file digest"] / b["rank-0 save"], "torch.save on rank 0 (state gathered first)").check("<=", 0.10),
+            Row("dcp", f"{tag} sha256 of each rank's share of the files, at a resume", b["share digest"] * 1e3, "ms",
+                b["share digest"] / b["dcp load"], "dcp.load of the same checkpoint"),
         ]
     return rows

@@ -13,10 +13,13 @@ Four things make a run that can stop at any step and go on later as if nothing h
 1. A checkpoint every --checkpoint-every steps and at the end: the model, the optimizer (its momentum
    buffers are part of the training state), the position (epoch and batch within it), the sampler's seed
    and every rank's RNG state.  Global rank 0 writes it to a temporary file, flushes it to the disk and
-   renames it: a crash while writing leaves the previous checkpoint, never half a new one.  Every rank
-   loads the same file with map_location (its own device) and weights_only=True (a checkpoint is data:
-   weights_only refuses pickles that would run code).  The newest checkpoint that loads wins; a torn one
-   (truncated by a full disk, a copy cut short) is reported and skipped.
+   renames it: a crash while writing leaves the previous checkpoint, never half a new one.  Beside it goes
+   its sha256 (step-NNNNNNNNN.pt.sha256, renamed into place first): torch.load checks no checksum, and a
+   file with bytes flipped in place (a failing disk, a bad copy) would load without a word.  Rank 0 checks
+   the digest before it chooses a checkpoint; every rank then loads the same file with map_location (its own
+   device) and weights_only=True (a checkpoint is data: weights_only refuses pickles that would run code).
+   The newest checkpoint that matches its digest and loads wins; a damaged one (truncated by a full disk, a
+   copy cut short, bytes changed) is named in one line and skipped.
 2. A clean stop on request.  SIGTERM (scancel, the end of the time limit, torchrun stopping its workers)
    and SIGUSR1 (what `sbatch --signal=B:USR1@120` sends 120 s before the limit) only set a flag: the
    handler runs between two Python bytecodes, maybe in the middle of a collective, where no checkpoint can
@@ -52,7 +55,7 @@ rank from the same file: the replicas agree without a broadcast.  The checkpoint
 run using it: a second run on the same --run-dir stops with a message instead of mixing its checkpoints with
 the first one's.  --bucket-cap-mb and --profile as in lesson 10.
 course/checkpoints.py holds the plumbing: what goes into a checkpoint and back out (save, restore), the files
-(atomic write, rotation, the newest valid one, the lock), the position and records a checkpoint carries (step,
+(atomic write, their digests, rotation, the newest valid one, the lock), the position and records a checkpoint carries (step,
 losses, evaluations, stops) and the closing report.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """

@@ -34,16 +34,18 @@ Lesson 15's FSDP2 loop, with checkpoints that fit it:
   --resume if-any resumes when there is a checkpoint and starts a new run when there is none (a job that
   may be submitted again); a checkpoint already at --max-steps leaves nothing to train (one line, exit 0).
 - --async-save [thread|process]: dcp.async_save (torch 2.14.1) first copies ("stages") this rank's shards
-  to CPU memory, and returns once the copy is done; everything else, dcp.save itself with its planning
+  to CPU memory, and returns once the copy is done (the process executor's first save also broadcasts
+  from rank 0 where its processes meet); everything else, dcp.save itself with its planning
   collectives (which rank writes what) and the writes, runs in its executor while training goes on: a
   background thread (the default), or with `process` a process of its own per rank, started at the first
   save (seconds: a fresh Python importing torch) and kept for the later ones; it has its own gloo process
-  group, and the staged copy travels to it through shared memory.  The thread shares the interpreter (the
-  GIL) with the training loop; the process does not.  The lesson's saves use a gloo process group of their
-  own (collectives of the saver must not mix with the training loop's; gloo because the saver works on the
-  CPU copy, also under NCCL), and wait for the previous save before the next.  The stall, the time the
-  training loop waits for a save, is measured for every kind, and split into the wait for the previous
-  save and the call itself (get_state_dict and async_save: the copy).
+  group, and the staged copy travels to it through shared memory (a second copy, made in the
+  background).  The thread shares the interpreter (the GIL) with the training loop; the process does not.
+  The lesson's saves use a gloo process group of their own (collectives of the saver must not mix with the
+  training loop's; gloo because the saver works on the CPU copy, also under NCCL), and wait for the
+  previous save before the next.  The stall, the time the training loop waits for a save, is measured for
+  every kind, and split into the wait for the previous save and the call itself (get_state_dict and
+  async_save: the copy).
 - --export PATH: one process, no process group: the newest checkpoint whose files all match their digests
   (checked here, all of them); dcp.load(no_dist=True) assembles the whole tensors from all
   ranks' files into the plain ViT's state dict, saved as one ordinary file for inference

@@ -9,7 +9,10 @@
 # 1. **A checkpoint** every `--checkpoint-every` steps and at the end: the model, the optimizer (its
 #    momentum is part of the training state), the position (epoch and batch within it), and every rank's
 #    random-number state. Global rank 0 writes it to a temporary file, flushes it to the disk and renames it:
-#    a crash while writing leaves the previous checkpoint, never half a new one.
+#    a crash while writing leaves the previous checkpoint, never half a new one. Its sha256 goes beside it
+#    (`step-NNNNNNNNN.pt.sha256`, the format `sha256sum -c` reads): `torch.load` checks no checksum, so a
+#    file with bytes flipped by a failing disk would load without a word; rank 0 checks the digest first and
+#    skips a damaged checkpoint with one line naming it.
 # 2. **A clean stop on request.** `SIGTERM` (scancel, the end of the time limit) and `SIGUSR1` (what
 #    `sbatch --signal=B:USR1@120` sends 120 s before the limit) only set a flag: the signal handler may run in
 #    the middle of a collective, where no checkpoint can be written. After every step the flag is combined

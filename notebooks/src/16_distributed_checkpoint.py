@@ -15,10 +15,14 @@
 # - **load at any world size**: `dcp.load` reads the rows each rank's shards need from whichever files hold
 #   them: a checkpoint saved by 4 ranks resumes on 2, and the other way round;
 # - **published atomically**: the lesson writes every checkpoint into a temporary directory and renames it
-#   into place once every rank has finished, with `complete.json` (every file's size) written last; a torn
-#   or unfinished checkpoint is skipped, never loaded;
-# - **asynchronous**: `dcp.async_save` copies the shards to CPU memory, returns, and writes them in a
-#   background thread while training goes on;
+#   into place once every rank has finished, with `complete.json` (every file's size and sha256, each rank
+#   having hashed the file it wrote) written last; a torn or unfinished checkpoint is skipped, never loaded;
+# - **verified before use**: at a resume each rank hashes its share of the files and compares with
+#   `complete.json`; one `all_reduce` tells every rank, before any rank loads, whether all are intact (bytes
+#   flipped in place keep the sizes, and `torch.load` checks no checksum);
+# - **asynchronous**: `dcp.async_save` copies ("stages") the shards to CPU memory and returns; `dcp.save`
+#   itself, its planning collectives included, then runs in a background thread (or, with
+#   `--async-save process`, a background process per rank) while training goes on;
 # - **one file for inference**: in one process, without a process group, `dcp.load` assembles whole tensors
 #   from all ranks' files.
 
@@ -46,10 +50,11 @@ def lesson_args(world_size, run, *extra):
 # %% [markdown]
 # ## What changed against lesson 15
 #
-# The training loop is lesson 15's. New: before training, rank 0 picks the newest complete checkpoint and
-# every rank loads its rows of it; in the loop, a save every `--checkpoint-every` steps and one at the end;
+# The training loop is lesson 15's. New: before training, rank 0 lists the complete checkpoints, every rank
+# hashes its share of the newest one's files, one `all_reduce` gives every rank the verdict, and every rank
+# loads its rows of the newest intact one; in the loop, a save every `--checkpoint-every` steps and one at the end;
 # the loop skips the batches a resumed epoch has already trained on. The file plumbing (temporary
-# directories, `complete.json`, skipping damaged ones, the export) is in
+# directories, the digests, `complete.json`, skipping damaged ones, the export) is in
 # [`course/dcp_checkpoints.py`](../course/dcp_checkpoints.py).
 
 # %%
@@ -78,7 +83,7 @@ md(f"One `.distcp` file per rank, each written by its own rank at the same time:
    f"the rank's {2 * tensors} tensors (weights and momentum) with a header of its own. With this small ViT that "
    f"is most of the file; with the lesson's default model (width 128) each file is about a quarter of "
    f"the whole state plus the same headers. `.metadata` says where every row is; `complete.json`, written "
-   f"last, lists every file with its size.")
+   f"last, lists every file with its size and sha256, and records the sha256 of its own content.")
 
 # %% [markdown]
 # ## Resume at 2 ranks, past a torn checkpoint
@@ -149,8 +154,10 @@ md(f"Saved by 4 ranks at step {HALF}, resumed by {rb['world_size']} to step {rb[
 # ## What a save costs the training loop
 #
 # The lesson measures, for every save, how long the training loop waited: for `dcp.save` the whole write;
-# for `dcp.async_save` the copy to CPU memory and the coordination between the ranks, plus any wait for
-# the previous save still being written.
+# for `dcp.async_save` (torch 2.14.1) the call itself, which copies ("stages") the shards to CPU memory and
+# returns, plus any wait for the previous save still being written. The coordination between the ranks
+# (which rank writes what) is not part of the call: it runs with the rest of `dcp.save` in the background
+# thread, as the writes do.
 
 # %%
 rows = []
@@ -170,10 +177,12 @@ md(f"Per save the loop waited {1000 * sum(sync) / len(sync):.0f} ms with `dcp.sa
    + ("Every asynchronous save waited less than every synchronous one. " if max(asyn) < min(sync) else
       "The two ranges overlap: with three saves each, the difference is within what this machine varies "
       "from save to save. ")
-   + f"Either way the loop still waits for part of every save: this checkpoint is small ({sum(shards) / 1e6:.2f} "
-   f"MB over all ranks' files) and this machine has 2 CPU cores, so most of a save is coordination between "
-   f"the ranks (which rank writes what) and opening files, which `dcp.async_save` also does before it "
-   f"returns; its background thread then competes with training for the same cores. The resumed runs took "
+   + f"Of the asynchronous saves' wait, {1000 * sum(rb['save_call_seconds']) / len(asyn):.0f} ms per save "
+   f"went to `get_state_dict` and the `async_save` call itself, that is the copy to CPU memory, and "
+   f"{1000 * sum(rb['save_wait_seconds']) / len(asyn):.0f} ms to waiting for the previous save. This "
+   f"checkpoint is small ({sum(shards) / 1e6:.2f} MB over all ranks' files) and this machine has 2 CPU "
+   f"cores: the background thread, which plans with the other ranks, writes and hashes, competes with "
+   f"training for the same cores and for Python's interpreter lock. The resumed runs took "
    f"{per_step['2 ranks, resumed (sync saves)']:.2f} s per step with `dcp.save` and "
    f"{per_step['2 ranks, resumed (async saves)']:.2f} s with `dcp.async_save`, saves and the evaluation "
    f"included"
@@ -181,8 +190,10 @@ md(f"Per save the loop waited {1000 * sum(sync) / len(sync):.0f} ms with `dcp.sa
       f"happen, on the same 2 cores, and the run waits for the last one before it ends. " if slower > 1.05
       else f" ({slower:.2f}x). ")
    + "On GPU nodes with a checkpoint of many GB the write itself dominates: `async_save` takes it off the "
-   "training loop, which then waits only for the copy from GPU to CPU memory (the "
-   "[benchmark](../benchmarks/README.md) measures both kinds of save on this machine).")
+   "training loop, which then waits only for the copy from GPU to CPU memory. `--async-save process` moves "
+   "the save into a process of its own per rank (no shared interpreter lock), at the price of starting it at "
+   "the first save and of a second copy, into shared memory, to hand the state over (the "
+   "[benchmark](../benchmarks/README.md) measures every kind of save on this machine).")
 
 # %% [markdown]
 # ## One ordinary file for inference
