@@ -7,7 +7,8 @@
 #   slurm/submit.sh 10 --site jsc --nodes 4                      # a lesson by its number
 #   slurm/submit.sh 9 --site palmetto --dry-run                  # print the sbatch command, submit nothing
 #
-# LESSON      a launcher in slurm/: its name (6_mnist_ddp_pt), its number (6), or its path
+# LESSON      a launcher in slurm/: its name (6_mnist_ddp_pt), its number (6), or its path (any job
+#             script of the same shape, e.g. scripts/readiness_job.sh)
 # --site      a profile in slurm/sites/ (perlmutter, jsc, ...) or a path to one; default: $COURSE_SITE.
 #             Its site_setup runs in the job, once, before the ranks (the same profile and set-up as
 #             `./day2/multinode_setup_and_run.sh --site NAME LESSON` inside an salloc allocation)
@@ -78,6 +79,10 @@ launcher_names() {
 # ---------------------------------------------------------------------------------------------- the launcher
 find_launcher() {
     local name="$1" matches=()
+    if [[ "$name" == */*.sh && -f "$name" ]]; then  # a job script elsewhere (scripts/readiness_job.sh)
+        echo "$(cd "$(dirname "$name")" && pwd)/$(basename "$name")"
+        return
+    fi
     name="$(basename "$name")"
     name="${name%.sh}"
     name="${name%.py}"
