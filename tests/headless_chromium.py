@@ -1,25 +1,17 @@
-"""A headless Chromium driven over the DevTools protocol: open a page, wait for the DOM, take a screenshot.
+"""A headless Chromium driven by Playwright: open a page, wait for the DOM, take a screenshot.
 
     with Chromium() as browser:
         browser.open("http://127.0.0.1:6006/#timeseries")
         browser.wait_for("document.querySelectorAll('canvas').length > 0", timeout=60)
         browser.screenshot(Path("page.png"))
 
-Chromium (Debian package `chromium`) runs with a fresh profile in a temporary directory, no network beyond
-what the page asks for, and is terminated (by the PID we started, then its process group) when the block
-ends, whatever happened.
+Playwright (the maintained automation library, pip package `playwright`) drives Debian's own Chromium
+(`executable_path`): no browser is downloaded, nothing but the page's own requests leaves the machine.
+Playwright starts the browser with a fresh profile and ends it when the block ends, whatever happened.
 """
-import base64
 import contextlib
-import itertools
-import json
-import os
 import shutil
-import signal
-import subprocess
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome")
@@ -36,92 +28,57 @@ def find_chromium():
 class Chromium:
     def __init__(self, window=(1400, 900), timeout: float = 60):
         self.window, self.timeout = window, timeout
-        self.proc = self.ws = None
-        self._ids = itertools.count(1)
+        self._playwright = self.browser = self.page = None
 
     def __enter__(self):
-        import websocket  # websocket-client
+        from playwright.sync_api import sync_playwright
 
         exe = find_chromium()
         if exe is None:
             raise FileNotFoundError("no chromium on PATH (apt-get install -y chromium)")
-        self.profile = tempfile.mkdtemp(prefix="chromium-profile-")
-        cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-               "--disable-dev-shm-usage", f"--user-data-dir={self.profile}",
-               "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
-               f"--window-size={self.window[0]},{self.window[1]}", "about:blank"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+        self._playwright = sync_playwright().start()
         try:
-            port_file = Path(self.profile) / "DevToolsActivePort"
-            deadline = time.monotonic() + self.timeout
-            while not (port_file.exists() and port_file.read_text().strip()):
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"chromium did not start (exit code {self.proc.poll()})")
-                time.sleep(0.1)
-            port = int(port_file.read_text().split()[0])
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as r:
-                page = next(t for t in json.load(r) if t["type"] == "page")
-            self.ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=self.timeout,
-                                                  suppress_origin=True)
-            self.call("Page.enable")
-            self.call("Runtime.enable")
+            self.browser = self._playwright.chromium.launch(
+                executable_path=exe, headless=True, timeout=self.timeout * 1000,
+                args=["--disable-gpu", "--disable-quic", "--disable-background-networking",
+                      "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"])
+            self.page = self.browser.new_page(viewport={"width": self.window[0], "height": self.window[1]})
+            self.page.set_default_timeout(self.timeout * 1000)
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, *exc):
-        if self.ws is not None:
+        if self.browser is not None:
             with contextlib.suppress(Exception):
-                self.ws.close()
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        shutil.rmtree(getattr(self, "profile", ""), ignore_errors=True)
+                self.browser.close()
+        if self._playwright is not None:
+            self._playwright.stop()
         return False
 
-    def call(self, method: str, **params) -> dict:
-        """Send one DevTools command and return its result; events arriving meanwhile are skipped."""
-        call_id = next(self._ids)
-        self.ws.send(json.dumps({"id": call_id, "method": method, "params": params}))
-        while True:
-            message = json.loads(self.ws.recv())
-            if message.get("id") == call_id:
-                if "error" in message:
-                    raise RuntimeError(f"{method}: {message['error']}")
-                return message.get("result", {})
-
     def open(self, url: str) -> None:
-        self.call("Page.navigate", url=url)
+        self.page.goto(url, wait_until="commit")
 
     def evaluate(self, expression: str):
-        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
-        if "exceptionDetails" in result:
-            raise RuntimeError(f"{expression[:80]}...: {result['exceptionDetails'].get('text')}")
-        return result["result"].get("value")
+        return self.page.evaluate(expression)
 
     def wait_for(self, expression: str, timeout: float = 60, interval: float = 0.5):
-        """Poll a JavaScript expression until it is truthy; return its value (or raise TimeoutError)."""
+        """Poll a JavaScript expression until it is truthy; return its value (or raise TimeoutError).  A page
+        that is navigating away in between (a click on a link) is polled again once it has loaded."""
+        from playwright.sync_api import Error
+
         deadline, value = time.monotonic() + timeout, None
         while time.monotonic() < deadline:
-            with contextlib.suppress(RuntimeError):
-                value = self.evaluate(expression)
+            with contextlib.suppress(Error):
+                value = self.page.evaluate(expression)
                 if value:
                     return value
             time.sleep(interval)
         raise TimeoutError(f"not true after {timeout} s (last value {value!r}): {expression[:200]}")
 
     def screenshot(self, path: Path) -> Path:
-        data = self.call("Page.captureScreenshot", format="png")["data"]
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(base64.b64decode(data))
+        self.page.screenshot(path=str(path))
         return path
