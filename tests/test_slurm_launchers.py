@@ -661,3 +661,26 @@ def test_port_check_ignores_time_wait_but_not_a_listener():
     if time_wait.returncode == 0:
         assert time_wait.stdout.strip(), "expected the port in TIME_WAIT"
     check_port_is_free("node1", port)  # no exception
+
+
+def test_the_profiles_that_the_site_guide_says_activate_the_course_venv_do(tmp_path):
+    """docs/trainers/site-profiles.md names the shipped profiles whose site_setup activates $COURSE_REPO/.venv;
+    each is run (with `module` a no-op) on a repository copy that has a .venv, and only those activate it."""
+    guide = (REPO / "docs" / "trainers" / "site-profiles.md").read_text()
+    said = re.search(r"Of the shipped profiles, (.+?) activate\s+`\$COURSE_REPO/\.venv`", " ".join(guide.split()))
+    assert said, "the site guide no longer says which profiles activate the course's venv"
+    claimed = set(re.split(r", | and ", said.group(1)))
+    repo = tmp_path / "repo"
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    (repo / ".venv" / "bin" / "activate").write_text('export VIRTUAL_ENV="$COURSE_REPO/.venv"\n')
+    activating = set()
+    for site in SITES:
+        done = subprocess.run(
+            ["bash", "-c", 'module() { :; }; COURSE_REPO="$2"; source "$1/slurm/lib/site.sh"; '
+                           'course_load_site "$3"; site_setup; echo "venv=${VIRTUAL_ENV:-}"',
+             "bash", str(REPO), str(repo), str(SITES_DIR / f"{site}.env")],
+            capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"})
+        assert done.returncode == 0, (site, done.stderr)
+        if f"venv={repo}/.venv" in done.stdout:
+            activating.add(site)
+    assert activating == claimed
