@@ -5,7 +5,11 @@
 - the instructor guide's timetables list each day's lessons with the catalog's titles and minutes, their
   clock times add up, and the per-day sums the guide quotes are the catalog's;
 - the one-day cut keeps some lessons and assigns the others as reading, each exactly once;
-- the README's course map lists every lesson's title, linked to its script.
+- the README's course map lists every lesson's title, linked to its script;
+- every lesson's instructor kit (teaching and exercise minutes, the exercises set in class, key points, a
+  check question and its answer) is complete, names only exercises its notebook has, and the guide shows it
+  as the catalog has it; every day's timetable has a feedback slot; the learners' set-up page exists and
+  the README and the guide link it.
 No torch import: reading text only.
 """
 import re
@@ -17,10 +21,14 @@ from pathlib import Path
 
 import pytest
 
+from solutions_check import exercises_in_notebook
+
 REPO = Path(__file__).resolve().parents[1]
 CATALOG = REPO / "docs" / "lessons.toml"
 GUIDE = REPO / "docs" / "trainers" / "instructor-guide.md"
 README = REPO / "README.md"
+SETUP_PAGE = REPO / "docs" / "learners" / "before-the-workshop.md"
+KIT_FIELDS = ("teaching_minutes", "exercise_minutes", "in_class", "key_points", "check_question", "check_answer")
 ROW = re.compile(r"^\| (\d\d):(\d\d) \| (.+?) \| (\d+) \|$")
 
 
@@ -78,6 +86,59 @@ def check_timetable(text, by_id, lessons):
     return found
 
 
+def notebook_name(entry):
+    return entry["notebook"].removeprefix("notebooks/").removesuffix(".ipynb")
+
+
+def exercise_list(numbers):
+    """'exercise 3', 'exercises 1 and 2', 'exercises 1, 2 and 3'."""
+    words = [str(n) for n in numbers]
+    return f"exercise {words[0]}" if len(words) == 1 else f"exercises {', '.join(words[:-1])} and {words[-1]}"
+
+
+def kit(entry, exercises):
+    """The instructor kit of one lesson as the guide shows it, made from its catalog entry and the number of
+    exercises its notebook has."""
+    homework = [n for n in range(1, exercises + 1) if n not in entry["in_class"]]
+    if not exercises:
+        plan = "hands-on. The notebook has no exercises: learners run the lesson themselves."
+    else:
+        plan = (f"exercises. **In class:** {exercise_list(entry['in_class'])} of the notebook's \"Try it yourself\"; "
+                + (f"**homework:** {exercise_list(homework)}." if homework else "no homework."))
+    points = "\n".join(f"- {point}" for point in entry["key_points"])
+    return (f"**Time:** {entry['teaching_minutes']} min teaching, {entry['exercise_minutes']} min {plan}\n\n"
+            f"Key points:\n\n{points}\n\n**Check question:** {entry['check_question']}\n\n"
+            f"**Answer:** {entry['check_answer']}\n")
+
+
+def check_kit(entry, exercises):
+    """One entry's kit is complete and consistent with its minutes and its notebook's exercises."""
+    name = f"lesson {entry['id']}"
+    missing = [field for field in KIT_FIELDS if field not in entry]
+    assert not missing, f"{name}: missing {', '.join(missing)}"
+    assert entry["teaching_minutes"] > 0 and entry["exercise_minutes"] > 0, name
+    assert entry["teaching_minutes"] + entry["exercise_minutes"] == entry["minutes"], \
+        f"{name}: teaching_minutes + exercise_minutes = {entry['teaching_minutes'] + entry['exercise_minutes']}, " \
+        f"minutes = {entry['minutes']}"
+    in_class = entry["in_class"]
+    assert in_class == sorted(set(in_class)), f"{name}: in_class must list each exercise once, in order"
+    assert set(in_class) <= set(range(1, exercises + 1)), \
+        f"{name}: in_class {in_class}, but {entry['notebook']} has {exercises} exercises (notebooks/src/" \
+        f"{notebook_name(entry)}.py, \"Try it yourself\")"
+    assert bool(in_class) == bool(exercises), f"{name}: set at least one of the notebook's exercises in class"
+    assert 2 <= len(entry["key_points"]) <= 4, f"{name}: 2-4 key points"
+    assert all(point.endswith(".") for point in entry["key_points"]), f"{name}: key points are sentences"
+    assert entry["check_question"].endswith("?") and entry["check_answer"], name
+
+
+def lesson_section(text, entry):
+    """The guide's section of one lesson: '### Lesson N: TITLE (M min)' or '### ID: TITLE (M min)'."""
+    heading = next((line for line in text.splitlines()
+                    if line.startswith("### ") and line.endswith(f": {entry['title']} ({entry['minutes']} min)")), None)
+    assert heading, f"the guide has no section for lesson {entry['id']}"
+    return section(text, heading)
+
+
 def test_every_lesson_script_has_exactly_one_entry():
     scripts = [entry["script"] for entry in catalog()]
     assert sorted(scripts) == sorted(lesson_scripts()), "one catalog entry per lesson script, no more"
@@ -129,6 +190,37 @@ def test_the_guide_quotes_every_objective_and_minutes():
             assert objective in text, f"lesson {entry['id']}: objective missing from the guide: {objective}"
 
 
+def test_every_lesson_has_a_complete_instructor_kit():
+    for entry in catalog():
+        check_kit(entry, exercises_in_notebook(notebook_name(entry)))
+
+
+def test_the_guide_shows_every_lesson_kit_as_the_catalog_has_it():
+    text = GUIDE.read_text()
+    for entry in catalog():
+        expected = kit(entry, exercises_in_notebook(notebook_name(entry)))
+        assert expected in lesson_section(text, entry), \
+            f"lesson {entry['id']}: the guide's section does not show the catalog's kit; it should read:\n{expected}"
+
+
+def test_every_timetable_has_a_feedback_slot_and_the_guide_a_helper_ratio():
+    text = GUIDE.read_text()
+    days = [line for line in text.splitlines() if line.startswith("### Day ")] + ["### One day"]
+    for heading in days:
+        blocks = [block for _, block, _ in timetable(section(text, heading))[0]]
+        assert any(block.startswith("feedback") for block in blocks), f"'{heading}' has no feedback slot"
+    assert "one helper per 8-10 learners" in section(text, "## Timetables")
+
+
+def test_the_learners_setup_page_exists_and_is_linked():
+    assert SETUP_PAGE.is_file()
+    page = SETUP_PAGE.read_text()
+    for topic in ("ssh", "browser", "account", "help"):
+        assert topic in page.lower(), f"{SETUP_PAGE.name} says nothing about: {topic}"
+    assert "(docs/learners/before-the-workshop.md)" in section(README.read_text(), "## Documentation")
+    assert "(../learners/before-the-workshop.md)" in section(GUIDE.read_text(), "## Before the workshop")
+
+
 def test_the_readme_course_map_lists_every_lesson():
     course_map = section(README.read_text(), "## Course map")
     for entry in catalog():
@@ -159,3 +251,23 @@ def test_the_checks_fail_on_a_broken_catalog(tmp_path):
     assert shifted != day1
     with pytest.raises(AssertionError):
         check_timetable(shifted, by_id, [i for i, e in by_id.items() if e["day"] == 1])
+
+
+def test_the_kit_checks_fail_on_a_broken_kit():
+    """A split that does not add up, an exercise the notebook lacks, a kit field missing, and a key point the
+    guide does not show are each caught."""
+    entry = next(e for e in catalog() if e["id"] == "4")
+    exercises = exercises_in_notebook(notebook_name(entry))
+    check_kit(entry, exercises)
+    broken = [{**entry, "teaching_minutes": entry["teaching_minutes"] + 5},
+              {**entry, "in_class": [*entry["in_class"], exercises + 1]},
+              {**entry, "in_class": []},
+              {key: value for key, value in entry.items() if key != "check_answer"}]
+    for bad in broken:
+        with pytest.raises(AssertionError):
+            check_kit(bad, exercises)
+    guide = lesson_section(GUIDE.read_text(), entry)
+    assert kit(entry, exercises) in guide
+    changed = {**entry, "key_points": [*entry["key_points"][:-1], entry["key_points"][-1] + " And more."]}
+    assert kit(changed, exercises) not in guide
+    assert kit(entry, exercises + 1) not in guide  # an exercise added to the notebook: the homework changes
