@@ -71,9 +71,9 @@ def main(argv=None) -> int:
     if on_login_node() and not args.here:
         print("day-1 sequence: this is a login node of a Slurm cluster (sinfo answers, no job here): its lessons "
               "start several processes each, which login nodes are not for. Run it on a compute node: "
-              "srun --nodes 1 --ntasks 1 --cpus-per-task 4 [--account/--partition/--reservation of your site: "
-              "slurm/submit.sh 0 --site NAME --dry-run prints them] ./quickstart.sh, or submit the lessons with "
-              "slurm/submit.sh; ./quickstart.sh --here runs it here anyway", file=sys.stderr)
+              "slurm/submit.sh --interactive --site NAME -- ./quickstart.sh (your site's profile: account, "
+              "partition, reservation, GPUs), or srun --nodes 1 --ntasks 1 --cpus-per-task 4 ./quickstart.sh with "
+              "your site's options; ./quickstart.sh --here runs it here anyway", file=sys.stderr)
         return 1
     nproc, device, what = hardware()
     nproc = args.nproc or nproc

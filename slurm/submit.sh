@@ -19,6 +19,10 @@
 # --dry-run               print the exact sbatch command and exit; nothing is checked with or sent to Slurm
 # --test-only             ask Slurm whether and when it would run the job (sbatch --test-only), submit nothing
 # --no-check              submit without asking Slurm first (by default a refused option fails before submission)
+# --interactive           no lesson: a shell on a compute node with the profile's options and site set-up
+#                         (srun --pty; one task with the cores and GPUs of a node's ranks), or, with a command
+#                         after --, that command there:  slurm/submit.sh --interactive --site NAME -- ./quickstart.sh
+#                         With --nodes 2: salloc, whose shell holds 2 nodes for day2/multinode_setup_and_run.sh
 #
 # Every SITE_* value may also come from the environment, which wins over the profile:
 #   SITE_ACCOUNT=m1234_g slurm/submit.sh 6 --site perlmutter
@@ -39,7 +43,7 @@ die() {
 }
 
 # ---------------------------------------------------------------------------------------------- arguments
-LESSON="" SITE="${COURSE_SITE:-}" NODES="" GPUS="" TASKS="" TIME="" MODE=submit CHECK=yes
+LESSON="" SITE="${COURSE_SITE:-}" NODES="" GPUS="" TASKS="" TIME="" MODE=submit CHECK=yes INTERACTIVE=no
 LESSON_ARGS=()
 need_value() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value (see --help)"; }
 while [[ $# -gt 0 ]]; do
@@ -58,6 +62,7 @@ while [[ $# -gt 0 ]]; do
         --dry-run) MODE=dry-run; shift ;;
         --test-only) MODE=test-only; shift ;;
         --no-check) CHECK=no; shift ;;
+        --interactive) INTERACTIVE=yes; shift ;;
         --) shift; LESSON_ARGS=("$@"); break ;;
         -*) die "unknown option $1 (lesson arguments go after --; see --help)" ;;
         *) [[ -z "$LESSON" ]] || die "one lesson at a time ('$LESSON' and '$1'); lesson arguments go after --"
@@ -73,6 +78,10 @@ launcher_names() {
     echo
 }
 
+if [[ "$INTERACTIVE" == yes ]]; then
+    [[ -z "$LESSON" ]] || die "--interactive takes no lesson ('$LESSON'); a command to run goes after --"
+    LESSON="$COURSE_REPO/slurm/0_torch_dist.sh"  # a one-node launcher's defaults: 1 node, the site's ranks
+fi
 [[ -n "$LESSON" ]] || die "which lesson? the launchers are: $(launcher_names)"
 [[ -n "$SITE" ]] || die "which site? give --site NAME (or export COURSE_SITE); the profiles are: $(course_site_names)"
 
@@ -221,6 +230,37 @@ show() {  # the command as one line you can paste into a shell
     done
     echo "${words[*]}"
 }
+
+if [[ "$INTERACTIVE" == yes ]]; then
+    # On the node: the profile's site_setup (as in a batch job), back to this directory, then the shell or command
+    SETUP='source "$COURSE_REPO/slurm/lib/site.sh" && course_site_resolve "" && course_site_setup && cd "$0" && '
+    SETUP+='echo "interactive: $(hostname), site profile ${COURSE_SITE_FILE:-none}, python $PYTHON" && exec "$@"'
+    if ((NNODES > 1)); then
+        COMMAND=(salloc)  # its shell (or the command) holds every node of the allocation
+        for option in "${OPTIONS[@]}"; do
+            [[ "$option" == --export=* ]] || COMMAND+=("$option")
+        done
+        COMMAND+=("${LESSON_ARGS[@]}")
+    else
+        STEP=()
+        for option in "${OPTIONS[@]}"; do  # one task with the cores of all the node's ranks
+            [[ "$option" == --ntasks-per-node=* || "$option" == --cpus-per-task=* ]] || STEP+=("$option")
+        done
+        CORES=$(( ${TASKS:-1} * ${SITE_CPUS_PER_TASK:-1} ))
+        if ((${#LESSON_ARGS[@]} == 0)); then
+            LESSON_ARGS=(bash -i)
+            STEP+=(--pty)
+        fi
+        COMMAND=(srun "${STEP[@]}" --ntasks=1 --cpus-per-task="$CORES" bash -c "$SETUP" "$PWD" "${LESSON_ARGS[@]}")
+    fi
+    if [[ "$MODE" == dry-run ]]; then
+        show "${COMMAND[@]}"
+        exit 0
+    fi
+    command -v srun >/dev/null || die "srun not found: run this on a login node of a Slurm cluster (or use --dry-run)"
+    echo "submit.sh: site $SITE_NAME: ${SITE_DESCRIPTION:-$SITE_FILE}" >&2
+    exec "${COMMAND[@]}"
+fi
 
 if [[ "$MODE" == dry-run ]]; then
     show "${COMMAND[@]}"

@@ -47,7 +47,7 @@ def test_on_a_slurm_login_node_the_sequence_says_where_to_run_it_instead(tmp_pat
     nothing started (no lesson line); --here runs it anyway (checked with --help's parse only)."""
     done = run([PYTHON, "-m", "course.day1_sequence", "--quick"], env=fake_sinfo(tmp_path, 0), check=False)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "this is a login node of a Slurm cluster" in done.stderr and "srun --nodes 1 --ntasks 1" in done.stderr
+    assert "this is a login node of a Slurm cluster" in done.stderr and "slurm/submit.sh --interactive --site NAME" in done.stderr
     assert "./quickstart.sh --here" in done.stderr and "$ python" not in done.stdout
 
 

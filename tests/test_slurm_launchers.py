@@ -684,3 +684,21 @@ def test_the_profiles_that_the_site_guide_says_activate_the_course_venv_do(tmp_p
         if f"venv={repo}/.venv" in done.stdout:
             activating.add(site)
     assert activating == claimed
+
+
+@pytest.mark.slurm
+def test_interactive_runs_on_a_compute_node_with_the_profile(slurm_cluster):
+    """`submit.sh --interactive` (a shell, or the command after --, on a compute node): one task with the cores
+    of the node's ranks, the profile's site_setup done, in the directory it was started from; there, an
+    explicit --nproc starts that many ranks."""
+    env = {**slurm_cluster.env, "SITE_TASKS_PER_NODE": "2", "SITE_CPUS_PER_TASK": "1"}
+    shown = submit("--interactive", "--site", "cpu-only", "--dry-run", env=env)
+    assert shown.stdout.startswith("srun --nodes=1 --export=ALL,") and " --pty --ntasks=1 --cpus-per-task=2 " in \
+        shown.stdout, shown.stdout
+    done = submit("--interactive", "--site", "cpu-only", "--", "bash", "-c",
+                  'echo "cpus $SLURM_CPUS_PER_TASK"; "$PYTHON" day1/0_torch_dist.py --nproc 2', env=env, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(rf"^interactive: node[12], site profile {re.escape(str(SITES_DIR / 'cpu-only.env'))}, python ",
+                     done.stdout, flags=re.M), done.stdout
+    assert "cpus 2" in done.stdout and done.stdout.count("mean = 1.5") == 2, done.stdout
+    assert submit("--interactive", "6", "--site", "cpu-only", env=env).returncode == 1  # no lesson with it
