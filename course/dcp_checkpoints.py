@@ -28,7 +28,8 @@ the lesson; this module is the file plumbing around it:
   one process (DCP reassembles every parameter from the shards of all ranks), written as one ordinary state
   dict that torch.load(weights_only=True) reads.
 DCP's own files carry no checksum, and torch.load verifies none: bytes flipped in place (a failing disk, a
-bad copy) load without a word.  The digest is SHA-256 (course/checkpoints.py says why: on this machine it
+bad copy) load without a word where they fall in tensor data, and where they fall in a record's header
+they end the run with a traceback from deep inside dcp.load (both seen here with 64 bytes flipped).  The digest is SHA-256 (course/checkpoints.py says why: on this machine it
 costs about what a CRC does, and it is collision resistant).
 """
 import json

@@ -25,7 +25,10 @@ Bounds, measured on 2026-11-24 (the numbers are next to each assertion):
 Checked by hand too: without the nothing-to-train exit and without --resume if-any's fallback, their two
 tests fail.
 Measured here (2 cores): the 15 tests, the Slurm one included, in 62 s with a load average of 5 from other
-programs (the 4 shared runs: 41 s; the two-node Slurm run: 11 s); the 14 others in 55-58 s when idle.
+programs (the 4 shared runs: 41 s; the two-node Slurm run: 11 s); the 14 others in 55-58 s when idle.  The
+digest checks added one launch (no checkpoint intact: the ranks end before training) and one in-process
+case; the 17 tests without Slurm took 217 s with a load average of 10-20 from other programs (the shared
+runs 155 s, the new launch 31 s), not measured idle.
 """
 import shutil
 

@@ -263,12 +263,11 @@ def test_flipped_bytes_load_silently_but_the_digest_finds_them(reference, tmp_pa
     """The reference run's two checkpoints, copied: with 64 bytes flipped in the middle of the newest,
     torch.load still loads it (no checksum), newest_valid names it in one line and returns the older one;
     flipped in both, none is left: one line each, None (the lesson then starts at step 0, as with torn ones)."""
-    from course.checkpoints import newest_valid, sidecar
+    from course.checkpoints import newest_valid
 
     ckpts = tmp_path / "checkpoints"
     shutil.copytree(reference / "checkpoints", ckpts, ignore=shutil.ignore_patterns(".lock"))
     older, newest = sorted(ckpts.glob("step-*.pt"))
-    assert sidecar(newest).read_text() == f"{sha256(newest)}  {newest.name}\n"  # sha256sum's format
     flip(newest)
     assert torch.load(newest, map_location="cpu", weights_only=True)["step"] == STEPS  # loads without a word
     capsys.readouterr()
@@ -276,6 +275,8 @@ def test_flipped_bytes_load_silently_but_the_digest_finds_them(reference, tmp_pa
     said = capsys.readouterr().out.splitlines()
     assert said == [f"[rank 0] skipping checkpoint {newest} (torn or invalid: its sha256 differs from the one in "
                     f"{newest.name}.sha256: the file changed after it was written)"], said
+    digest = older.with_name(older.name + ".sha256").read_text()
+    assert digest == f"{sha256(older)}  {older.name}\n"  # sha256sum's format: `sha256sum -c` checks it too
     flip(older)
     assert newest_valid(ckpts) is None
     said = capsys.readouterr().out.splitlines()
