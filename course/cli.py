@@ -48,6 +48,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+class NprocGiven(argparse.Action):
+    """--nproc N typed on the command line: also kept as `nproc_given`, for course/launch.py, where an explicit
+    --nproc inside a one-task srun step starts N ranks while the default leaves the step's task one rank."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        if values is not None:  # a positional with nargs="?" (lesson 7's world size) is called with its default
+            namespace.nproc_given = values
+
+
 def parser(doc: str, lesson: str, *, data=True, outputs=True, nproc_default=None,
            batch_help="per rank") -> Parser:
     """The shared options.  `doc` is the lesson's docstring (its first paragraph is the description)."""
@@ -55,9 +65,10 @@ def parser(doc: str, lesson: str, *, data=True, outputs=True, nproc_default=None
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.set_defaults(lesson=Path(lesson).stem)  # the name metrics.json gives the run (course/results.py)
     if nproc_default is not None:
-        p.add_argument("--nproc", type=positive_int, default=nproc_default,
-                       help="processes to spawn when started with plain python "
-                            "(ignored under torchrun/srun, which choose the world size)")
+        p.add_argument("--nproc", type=positive_int, default=nproc_default, action=NprocGiven,
+                       help="processes to spawn when started with plain python, also in a one-task srun step "
+                            "such as srun --pty bash (ignored under torchrun; under srun with several tasks "
+                            "they are the ranks)")
     if data:
         p.add_argument("--dataset", default=DEFAULT_DATASET, choices=sorted(DATASETS), help="which dataset")
         p.add_argument("--data-dir", type=Path, default=None,

@@ -5,6 +5,11 @@
     srun python lesson.py               Slurm set SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, the node list
     srun torchrun ...                   torchrun's variables win (one agent per node, as day 2 teaches)
 
+An explicit `--nproc N` inside a one-task srun step (`srun --pty bash` on a compute node, the way to JupyterLab
+there; any `srun -n1`) starts N ranks itself: that step's task is one shell or notebook, not a rank.  In a step
+of several tasks srun has started the ranks already; an --nproc that disagrees with their number is one line
+(each task would otherwise start N ranks of its own, N x tasks processes fighting over the GPUs and the outputs).
+
 Every launcher ends in the same place: `worker(info, args)` runs once per rank with MASTER_ADDR and
 MASTER_PORT in the environment, ready for `dist.init_process_group(...)`, which each lesson calls itself.
 Lesson 0 explains processes and ranks; lesson 9 reads the Slurm variables by hand.
@@ -19,8 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from course.cli import CourseError
-# backend_for and setup_device are imported from here by the lessons: one import line for the launch model
-from course.devices import backend_for, check_enough_gpus, setup_device, share_cpu_cores  # noqa: F401
+# backend_for, setup_device and gpu_index are imported from here by the lessons: one import line for the
+# launch model
+from course.devices import backend_for, check_enough_gpus, gpu_index, setup_device, share_cpu_cores, \
+    tasks_on_this_node, use_layout  # noqa: F401
 from course.ports import check_master_addr_is_here, check_port_is_free, free_port, slurm_master_port, \
     wait_for_rank0
 from course.supervise import before_init_process_group, failures_as_one_line, run_ranks
@@ -36,14 +43,40 @@ class RankInfo:
     launcher: str          # "self", "torchrun" or "srun"
 
 
-def detect_launcher() -> str:
+def nproc_asked(args):
+    """The --nproc (or lesson 7's world size) typed on the command line, None when the default stands."""
+    return getattr(args, "nproc_given", None)
+
+
+def detect_launcher(args=None) -> str:
+    """"torchrun", "srun" or "self".  With the lesson's `args`, an explicit --nproc inside a one-task srun step
+    is "self"; inside a step of several tasks it must agree with their number."""
     if all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
         return "torchrun"
     # SLURM_STEP_NUM_TASKS exists only inside an srun step, not in a batch script's own shell, where a
     # plain `python lesson.py` must spawn its workers itself instead of waiting for peers that never come.
     if "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:
-        return "srun"
+        asked, tasks = nproc_asked(args), int(os.environ["SLURM_STEP_NUM_TASKS"])
+        if asked is None or asked == tasks:
+            return "srun"
+        if tasks == 1:
+            return "self"
+        if int(os.environ["SLURM_PROCID"]) != 0:
+            raise SystemExit(1)  # task 0 says why, once
+        raise CourseError(f"--nproc {asked} inside a Slurm step of {tasks} tasks: srun has started {tasks} "
+                          f"ranks already; leave out --nproc (srun's tasks are the ranks), or start one task "
+                          f"(srun --ntasks=1 ... --nproc {asked}) to have the lesson start {asked} ranks itself")
     return "self"
+
+
+def world_size(args) -> int:
+    """The world size a run will have, known before any rank starts: torchrun's, the srun step's, or --nproc."""
+    launcher = detect_launcher(args)
+    if launcher == "torchrun":
+        return int(os.environ["WORLD_SIZE"])
+    if launcher == "srun":
+        return int(os.environ["SLURM_STEP_NUM_TASKS"])
+    return args.nproc
 
 
 def how_to_launch(lesson: str, lesson_args: str = "") -> str:
@@ -80,10 +113,7 @@ def slurm_master_addr() -> str:
 def _srun_info() -> RankInfo:
     env = os.environ
     rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
-    local_rank = int(env.get("SLURM_LOCALID", 0))
-    # "2(x2),1" style: take this node's count from SLURM_STEP_TASKS_PER_NODE, else assume uniform
-    per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_NTASKS_PER_NODE", "1"))
-    local_world = int(per_node.split("(")[0].split(",")[0])
+    local_rank, local_world = int(env.get("SLURM_LOCALID", 0)), tasks_on_this_node()
     if "MASTER_ADDR" not in os.environ:  # not setdefault(): that would ask scontrol even when it is set
         os.environ["MASTER_ADDR"] = slurm_master_addr()
     os.environ.setdefault("MASTER_PORT", str(slurm_master_port()))
@@ -104,10 +134,14 @@ def _run(worker, info: RankInfo, args):
     """One rank, however it was started: its share of the cores, then the lesson's worker."""
     share_cpu_cores(info.local_world_size)
     before_init_process_group()
-    with failures_as_one_line(info.rank):
-        if info.launcher != "self" and info.rank != 0 and info.world_size > 1:
-            wait_for_rank0(info.rank, getattr(args, "timeout", None))
-        return worker(info, args)
+    use_layout(info.local_world_size, info.launcher)  # for setup_device, which the lesson calls with its local rank
+    try:
+        with failures_as_one_line(info.rank):
+            if info.launcher != "self" and info.rank != 0 and info.world_size > 1:
+                wait_for_rank0(info.rank, getattr(args, "timeout", None))
+            return worker(info, args)
+    finally:
+        use_layout(None, None)
 
 
 def _self_launched_rank(index: int, worker, nproc: int, args):
@@ -116,7 +150,7 @@ def _self_launched_rank(index: int, worker, nproc: int, args):
 
 def launch(worker, args, nproc: int = None) -> None:
     """Run `worker(info, args)` in every rank, however this process was started."""
-    launcher = detect_launcher()
+    launcher = detect_launcher(args)
     if launcher == "torchrun":
         _run(worker, _torchrun_info(), args)
     elif launcher == "srun":

@@ -10,7 +10,6 @@ anything runs.  FSDP2 splits dim 0 of every parameter as `torch.chunk` does: ran
 the most of any rank, so rank 0's bytes are the ones to compare with a budget.
 """
 import math
-import os
 
 import torch
 
@@ -53,11 +52,12 @@ def watch_after_forward(model) -> dict:
 
 
 def world_size_of(args) -> int:
-    """The world size a run will have, known before any rank starts: torchrun's, Slurm's, or --nproc."""
-    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
-        if os.environ.get(var):
-            return int(os.environ[var])
-    return args.nproc
+    """The world size a run will have, known before any rank starts: torchrun's, the srun step's (not the
+    job's SLURM_NTASKS: a batch script's own shell or a one-task step with --nproc N starts N ranks), or
+    --nproc (course/launch.py)."""
+    from course.launch import world_size
+
+    return world_size(args)
 
 
 def plan(model_fn, world_size: int, states_per_parameter: int = 1) -> dict:

@@ -2,9 +2,15 @@
 --compile: its check and the warm-up that compiles before training.
 
 Asking autocast for a dtype the device cannot compute in does not fail: autocast warns and runs in fp32
-(CPU builds before torch 2.2 had no fp16 autocast; GPUs before Ampere have no bf16).  A run that says
-fp16 and computes in fp32 would teach the wrong thing, so the lesson stops with one line instead.
+(CPU builds before torch 2.2 had no fp16 autocast).  A run that says fp16 and computes in fp32 would teach the
+wrong thing, so the lesson stops with one line instead.  GPUs before compute capability 8.0 (V100, T4) pass
+autocast's own bf16 check: torch.cuda.is_bf16_supported() counts emulation as support, and finds it by making
+a bf16 tensor on the current GPU, cuda:0 in a rank that has not set its own yet.  Emulated bf16 runs slower
+than fp32, and inductor skips compiling bf16 graphs there (compile_fx's _check_triton_bf16_support), so
+--compile would run eager.  The check reads the capability of each rank's own GPU instead, which allocates
+nothing on any GPU.
 """
+import os
 import warnings
 
 import torch
@@ -30,18 +36,44 @@ def check_precision(args) -> None:
     device = device_type(args)
     if args.precision == "fp32" or (device == "cuda" and not torch.cuda.is_available()):
         return  # --device cuda without a GPU: course/devices.py's setup_device says so in its own words
+    if device == "cuda" and args.precision == "bf16":
+        return check_native_bf16(args)
     problems = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             torch.autocast(device, dtype=DTYPES[args.precision])
-        except RuntimeError as e:  # a CUDA GPU without bf16 raises instead of warning
+        except RuntimeError as e:  # an autocast that refuses the dtype outright instead of warning
             problems.append(str(e).splitlines()[0])
     problems += [str(w.message).splitlines()[0] for w in caught if "autocast" in str(w.message).lower()]
     if problems:
         other = "fp16" if args.precision == "bf16" else "bf16"
         raise CourseError(f"--precision {args.precision}: this {device} has no {args.precision} autocast "
                           f"({problems[0]}); use --precision {other} or fp32")
+
+
+def rank_gpus(args) -> list:
+    """The GPUs (as this process numbers them) that the ranks started from here compute on: those of the ranks
+    `--nproc N` will start, or this rank's own under torchrun and srun (course/devices.py's choice)."""
+    from course.devices import gpu_index, layout_from_environment
+    from course.launch import detect_launcher
+
+    if detect_launcher(args) == "self":
+        return list(range(min(args.nproc, torch.cuda.device_count())))
+    local_world_size, launcher = layout_from_environment()
+    local_rank = int(os.environ["LOCAL_RANK"] if launcher == "torchrun" else os.environ.get("SLURM_LOCALID", 0))
+    return [gpu_index(local_rank, local_world_size, launcher)]
+
+
+def check_native_bf16(args) -> None:
+    """One line if a rank's GPU computes bf16 only by emulation (compute capability below 8.0)."""
+    for index in rank_gpus(args):
+        major, minor = torch.cuda.get_device_capability(index)  # the device's properties: nothing allocated
+        if major < 8:
+            raise CourseError(f"--precision bf16: GPU {index} ({torch.cuda.get_device_name(index)}) has compute "
+                              f"capability {major}.{minor}; GPUs compute bf16 natively from 8.0 (Ampere) on, "
+                              f"below that torch emulates it, slower than fp32, and --compile would run eager; "
+                              f"use --precision fp16 where the lesson offers it (13, 14), else fp32")
 
 
 def warm_up(model, train_set, args, dtype) -> None:

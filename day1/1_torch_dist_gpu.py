@@ -8,7 +8,9 @@
 NCCL moves GPU memory between GPUs directly (NVLink, PCIe, InfiniBand) without a detour through the CPU.
 Each rank owns one GPU: `torch.cuda.set_device(local_rank)` must come before init_process_group, or every
 rank would create its context on GPU 0.  NCCL cannot put two ranks on one GPU, so there can be at most as
-many ranks per node as GPUs.  On a machine without CUDA this script says so and runs lesson 0's gloo path.
+many ranks per node as GPUs.  A rank that Slurm gave a GPU of its own (srun --gpus-per-task=1,
+--gpu-bind=single:1) sees only that one, as cuda:0; course/devices.py's gpu_index tells the two cases apart
+from what the rank sees.  On a machine without CUDA this script says so and runs lesson 0's gloo path.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import sys
@@ -21,18 +23,16 @@ import torch
 import torch.distributed as dist
 
 from course import cli
-from course.launch import detect_launcher, launch
+from course.launch import detect_launcher, gpu_index, launch
 from course.output import rank_print
 
 
 def worker(info, args):
     if args.backend == "nccl":
-        gpus = torch.cuda.device_count()
-        if info.local_rank >= gpus:  # NCCL cannot share a GPU between two ranks
-            raise cli.CourseError(f"local rank {info.local_rank} has no GPU of its own ({gpus} on this node); "
-                                  f"start at most {gpus} NCCL ranks per node")
-        torch.cuda.set_device(info.local_rank)  # DIST: before init, so NCCL binds this rank to its own GPU
-        device = torch.device("cuda", info.local_rank)
+        # cuda:<local rank>, or cuda:0 in a task Slurm gave one GPU; one line if ranks outnumber the GPUs
+        gpu = gpu_index(info.local_rank, info.local_world_size, info.launcher)
+        torch.cuda.set_device(gpu)  # DIST: before init, so NCCL binds this rank to its own GPU
+        device = torch.device("cuda", gpu)
     else:
         device = torch.device("cpu")
     dist.init_process_group(args.backend, rank=info.rank, world_size=info.world_size,  # DIST: join the group
@@ -55,7 +55,7 @@ def run(args):
     if args.backend == "nccl":
         if gpus == 0:
             raise cli.CourseError("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
-        if detect_launcher() == "self" and args.nproc > gpus:  # fail before spawning anything
+        if detect_launcher(args) == "self" and args.nproc > gpus:  # fail before spawning anything
             raise cli.CourseError(f"{args.nproc} NCCL ranks on a node with {gpus} GPU(s): NCCL needs one GPU "
                                   f"per rank; use --nproc {gpus} (or --backend gloo)")
     launch(worker, args)

@@ -131,7 +131,7 @@ def run(args):
     if args.quick:  # 1 epoch is mostly the first steps, where every world size lags: see the docstring
         args.epochs = QUICK_EPOCHS
     require(args.dataset, args.data_dir)
-    if detect_launcher() == "self" and args.nproc > 1 and not curves.has_reference(args, args.nproc):
+    if detect_launcher(args) == "self" and args.nproc > 1 and not curves.has_reference(args, args.nproc):
         print(f"no 1-process reference covering {curves.samples_needed(args, args.nproc)} samples in "
               f"{args.run_dir}: running it first (1 rank, lr {args.lr:g}, batch {args.batch_size})", flush=True)
         reference_args = argparse.Namespace(**vars(args))

@@ -145,8 +145,17 @@ if [[ "$LAUNCHER" == srun ]]; then
     srun --kill-on-bad-exit=1 --ntasks="$NTASKS" "$PYTHON" -u "$LESSON" "$@"
 else
     # one torchrun agent per node, with the CPUs of all its ranks; the agents meet at MASTER_ADDR:MASTER_PORT
+    GPUS_PER_AGENT=()
+    if [[ -n "${SLURM_GPUS_PER_TASK:-}" ]]; then
+        # An allocation made with --gpus-per-task=[type:]N passes it on to this step (srun reads the variable as
+        # its own option), whose one task per node would get the GPUs of one rank, for all the node's ranks
+        # (course/devices.py stops them); a larger --gpus-per-task Slurm refuses: ask per node instead.
+        PER_RANK="${SLURM_GPUS_PER_TASK##*:}" GPU_TYPE="${SLURM_GPUS_PER_TASK%"${SLURM_GPUS_PER_TASK##*:}"}"
+        GPUS_PER_AGENT=(--gpus-per-node="${GPU_TYPE}$((PER_RANK * TASKS_PER_NODE))")
+        unset SLURM_GPUS_PER_TASK
+    fi
     srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
-        --cpus-per-task=$((TASKS_PER_NODE * ${SLURM_CPUS_PER_TASK:-1})) \
+        --cpus-per-task=$((TASKS_PER_NODE * CPUS_PER_TASK)) ${GPUS_PER_AGENT[@]+"${GPUS_PER_AGENT[@]}"} \
         "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" \
         --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="$SLURM_JOB_ID" \
         "$LESSON" "$@"

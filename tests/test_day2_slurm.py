@@ -8,6 +8,7 @@ import json
 import os
 import re
 import sys
+import time
 
 import pytest
 import torch
@@ -153,3 +154,153 @@ def test_lesson11_streams_every_sample_once_on_two_nodes(slurm_cluster, mnist_h5
         assert sorted(i for rank in epoch for i in rank) == list(range(6500))
     assert "each seen exactly once" in output
     assert torch.isfinite(torch.tensor(m["loss_per_step"])).all()
+
+
+# ------------------------------------------------------------------ launch and device choice under Slurm
+
+# Which GPU course/devices.py gives a rank, under the GPU variables the real Slurm sets for it.  The test
+# cluster's GPUs are character devices Slurm hands out like GPUs: CUDA would find none, so the probe gives
+# course/devices.py a torch whose CUDA sees what CUDA_VISIBLE_DEVICES lists, as the real one would on a GPU
+# node (and costs no torch import per task), and prints which of the node's GPUs the rank took.  One write
+# per line: the ranks of a node share the output pipe.
+GPU_PROBE = """
+import os, socket, sys, types
+sys.path.insert(0, {repo!r})
+visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
+torch = sys.modules["torch"] = types.ModuleType("torch")
+torch.cuda = types.SimpleNamespace(is_available=lambda: bool(visible), device_count=lambda: len(visible),
+                                   set_device=lambda index: None)
+torch.device = lambda kind, index=None: types.SimpleNamespace(type=kind, index=index)
+from course.cli import CourseError
+from course.devices import setup_device
+rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+where = f"gpu probe {{sys.argv[1]}}: rank {{rank}} on {{socket.gethostname()}}"
+try:
+    line = f"{{where}} takes GPU {{visible[setup_device('cuda', local_rank).index]}} of {{','.join(visible)}}"
+    code = 0
+except CourseError as e:
+    line, code = f"{{where}} error: {{e}}", 1
+os.write(1, (line + "\\n").encode())
+sys.exit(code)
+"""
+DCP = ["--train-samples", "640", "--seed", "5", "--loader", "memory", "--width", "32", "--depth", "2", "--heads",
+       "2", "--checkpoint-every", "3"]
+
+
+@pytest.fixture(scope="module")
+def launched(slurm_cluster, dataset):
+    """What each case printed and its exit code: {case: (code, output)}.  One Slurm job per case, one after
+    another (a few seconds each, lesson 16's two runs about a minute on 2 cores)."""
+    work = slurm_cluster.workdir / "launch-cases"
+    work.mkdir()
+    (work / "probe.py").write_text(GPU_PROBE.format(repo=str(REPO)))
+    python, probe = sys.executable, str(work / "probe.py")
+    lesson0, lesson16 = str(REPO / "day1" / "0_torch_dist.py"), str(REPO / "day3" / "16_distributed_checkpoint.py")
+    dcp = " ".join([*DCP, "--checkpoint-dir", str(work / "dcp" / "checkpoints")])
+    one_task_step = (f"{python} {lesson0} --nproc 2 && "
+                     f"{python} {lesson16} {dcp} --nproc 4 --batch-size 16 --max-steps 3 --run-dir {work}/dcp/w4 && "
+                     f"{python} {lesson16} {dcp} --nproc 2 --batch-size 32 --max-steps 6 --resume "
+                     f"--run-dir {work}/dcp/r2")
+    cases = {
+        "per-task": ["srun", "-N1", "-n2", "--gpus-per-task=1", python, probe, "per-task"],
+        "map_gpu": ["srun", "-N1", "-n2", "--gres=gpu:2", "--gpu-bind=map_gpu:1,0", python, probe, "map_gpu"],
+        "shared": ["srun", "-N1", "-n2", "--gres=gpu:2", python, probe, "shared"],
+        "too-many": ["srun", "-N1", "-n3", "--gres=gpu:2", python, probe, "too-many"],
+        # day 2's script in an allocation with a GPU per task: srun's tasks keep theirs, torchrun's agent
+        # gets the GPUs of all its ranks
+        "multinode": ["salloc", *TWO_BY_TWO, "--gpus-per-task=1", "bash", "-c",
+                      f"{SCRIPT} {probe} multinode-srun && {SCRIPT} --launcher torchrun {probe} multinode-torchrun"],
+        # the step `srun --pty bash` gives, in an allocation of 4 tasks: the lesson starts --nproc ranks
+        "one-task step": ["salloc", "-N1", "-n4", "srun", "-n1", "bash", "-c", one_task_step],
+        "two-task step": ["salloc", "-N1", "-n2", "srun", "-n2", python, lesson0, "--nproc", "3"],
+    }
+    done = {}
+    for name, cmd in cases.items():
+        start = time.monotonic()
+        ran = slurm_cluster.run(cmd, cwd=work, timeout=600)
+        done[name] = (ran.returncode, ran.stdout + ran.stderr)
+        print(f"{name}: exit code {ran.returncode} after {time.monotonic() - start:.1f} s")  # shown with -s
+    return work, done
+
+
+def probes(output, case, hosts=True):
+    """(rank, node, what it did) of every probe of `case`; without `hosts`, (rank, what it did) for a step on
+    one node, whichever Slurm chose."""
+    seen = sorted(re.findall(rf"^gpu probe {case}: rank (\d+) on (node\d) (.*)$", output, flags=re.M))
+    return seen if hosts else [(rank, what) for rank, _, what in seen]
+
+
+def test_each_rank_takes_a_gpu_of_its_own_however_slurm_binds_them(launched):
+    """--gpus-per-task=1 and --gpu-bind=map_gpu show each task one GPU, as cuda:0 (the old choice, which
+    trusted SLURM_GPUS_PER_TASK alone, stopped task 1 of srun --gpus-per-task=1, where Slurm does not set
+    it); tasks that share the step's GPUs take their local rank's."""
+    _, done = launched
+    code, output = done["per-task"]
+    assert code == 0 and probes(output, "per-task", hosts=False) == [("0", "takes GPU 0 of 0"),
+                                                                      ("1", "takes GPU 1 of 1")], output
+    code, output = done["map_gpu"]
+    assert code == 0 and probes(output, "map_gpu", hosts=False) == [("0", "takes GPU 1 of 1"),
+                                                                    ("1", "takes GPU 0 of 0")], output
+    code, output = done["shared"]
+    assert code == 0 and probes(output, "shared", hosts=False) == [("0", "takes GPU 0 of 0,1"),
+                                                                   ("1", "takes GPU 1 of 0,1")], output
+
+
+def test_more_tasks_than_gpus_is_one_line_in_every_task(launched):
+    _, done = launched
+    code, output = done["too-many"]
+    seen = probes(output, "too-many", hosts=False)
+    assert code != 0 and [rank for rank, _ in seen] == ["0", "1", "2"], output
+    assert all(what.startswith("error: 3 Slurm tasks on this node share 2 visible GPU(s)") for _, what in seen)
+
+
+def test_day2_script_gives_torchruns_agent_the_gpus_of_all_its_ranks(launched):
+    """In an allocation made with --gpus-per-task=1, the torchrun agent's step would inherit one GPU per
+    task, one for the node's two ranks (before: both on cuda:0, NCCL's 'Duplicate GPU detected')."""
+    _, done = launched
+    code, output = done["multinode"]
+    assert code == 0, output
+    assert probes(output, "multinode-srun") == [("0", "node1", "takes GPU 0 of 0"), ("1", "node1", "takes GPU 1 of 1"),
+                                                ("2", "node2", "takes GPU 0 of 0"), ("3", "node2", "takes GPU 1 of 1")]
+    assert probes(output, "multinode-torchrun") == [
+        ("0", "node1", "takes GPU 0 of 0,1"), ("1", "node1", "takes GPU 1 of 0,1"),
+        ("2", "node2", "takes GPU 0 of 0,1"), ("3", "node2", "takes GPU 1 of 0,1")], output
+
+
+def test_nproc_in_a_one_task_step_starts_that_many_ranks_and_lesson16_resumes_4_to_2(launched):
+    """Inside an allocation's one-task step (what `srun --pty bash` gives on a compute node), an explicit
+    --nproc starts that many ranks (before: one rank, silently), and lesson 16's documented 4 -> 2 resume
+    works: the world size its resume check uses is --nproc's, not the step's one task."""
+    work, done = launched
+    code, output = done["one-task step"]
+    assert code == 0, output
+    assert sorted(re.findall(r"^\[rank (\d)\] all_reduce\(SUM\) = 3, mean = 1.5$", output, flags=re.M)) == ["0", "1"]
+    saved, resumed = metrics(work / "dcp" / "w4"), metrics(work / "dcp" / "r2")
+    assert (saved["world_size"], saved["steps"]) == (4, 3), saved
+    assert (resumed["world_size"], resumed["first_step"], resumed["steps"]) == (2, 3, 6), resumed
+    assert resumed["resumed_from"].endswith("step-000000003")
+
+
+def test_nproc_that_disagrees_with_a_multi_task_step_is_one_line(launched):
+    """srun has started 2 tasks, the command line asks for 3 ranks: task 0 says so once, no task starts
+    ranks of its own (before: --nproc was ignored without a word)."""
+    _, done = launched
+    code, output = done["two-task step"]
+    assert code != 0, output
+    assert output.count("error: --nproc 3 inside a Slurm step of 2 tasks: srun has started 2 ranks") == 1, output
+    assert "all_reduce" not in output
+
+
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+def test_an_salloc_with_cpus_per_task_gives_each_rank_that_many_threads(slurm_cluster, launcher):
+    """As a batch job's ranks do (slurm/lib/job.sh): the allocation's --cpus-per-task reaches the ranks'
+    srun and their thread count.  Before, srun left it behind (Slurm >= 22.05) and each rank counted the
+    node's 4 cores as 2 ranks' share: 2 threads each on an allocation of 1 CPU per task."""
+    ran = slurm_cluster.run(["env", "-u", "OMP_NUM_THREADS", "salloc", *TWO_BY_TWO, "--cpus-per-task=1", str(SCRIPT),
+                             "--launcher", launcher, str(REPO / "tests" / "threads_of_rank.py"),
+                             str(REPO / "day2" / "9_torch_dist_multi_node.py")], cwd=slurm_cluster.workdir, timeout=300)
+    output = ran.stdout + ran.stderr
+    assert ran.returncode == 0, output
+    threads = sorted(re.findall(r"^threads of rank (\d): (\d+) \(OMP_NUM_THREADS=(\w+)\)$", output, flags=re.M))
+    assert threads == [(r, "1", "1") for r in "0123"], output

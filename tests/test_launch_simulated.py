@@ -1,0 +1,298 @@
+"""The launch and device logic on hardware this machine does not have: GPUs, Slurm steps and torchrun are
+simulated in this process (torch.cuda's answers and the launchers' variables faked), and the course's own
+functions, or a lesson's own code, decide.
+
+The Slurm variables are those a real Slurm 22.05 gives a task (seen on tests/slurm_cluster.py's cluster, whose
+fake GPUs Slurm hands out like real ones): with --gpus-per-task=1, --gpu-bind=single:1 or map_gpu each task
+sees one GPU (CUDA_VISIBLE_DEVICES of one entry) while SLURM_GPUS_ON_NODE counts the step's GPUs on the node;
+SLURM_GPUS_PER_TASK is set only where the allocation (salloc/sbatch) asked for GPUs per task, not by
+`srun --gpus-per-task`; SLURM_NTASKS and SLURM_STEP_NUM_TASKS are the step's task count inside a step.
+tests/test_day2_slurm.py runs the same decisions under the real Slurm.
+
+A fake GPU answers the device count, the capability and the name; asking for the current device, or for
+torch.cuda.is_bf16_supported() (which makes a bf16 tensor on the current device, cuda:0 before a rank has
+set its own), fails the test.
+"""
+import runpy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import course.devices
+from conftest import REPO
+from course.cli import CourseError
+from course.devices import setup_device, tasks_on_this_node
+from course.launch import detect_launcher, world_size
+
+LAUNCH_VARIABLES = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "CUDA_VISIBLE_DEVICES",
+                    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
+                    "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_JOB_ID", "SLURM_STEP_ID",
+                    "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_TASK", "SLURM_STEP_GPUS"]
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """No launcher, no GPU; `machine.gpus(n, capability, name)` fakes n visible GPUs, `machine.env(...)` sets
+    launcher variables.  `machine.capability_asked` and `machine.current` record which GPUs were asked for
+    their capability and made current."""
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    course.devices.use_layout(None, None)
+    seen = SimpleNamespace(capability_asked=[], current=[])
+
+    def gpus(n, capability=(8, 0), name="NVIDIA A100-SXM4-40GB"):
+        def capability_of(index):
+            assert isinstance(index, int) and 0 <= index < n, index
+            seen.capability_asked.append(index)
+            return capability
+
+        def forbidden(*_, **__):
+            raise AssertionError("asked for the current GPU: cuda:0 before this rank set its own")
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", capability_of)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
+        monkeypatch.setattr(torch.cuda, "set_device", seen.current.append)
+        monkeypatch.setattr(torch.cuda, "current_device", forbidden)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", forbidden)
+
+    def env(**variables):
+        for key, value in variables.items():
+            monkeypatch.setenv(key, str(value))
+
+    def no_launcher():
+        for key in LAUNCH_VARIABLES:
+            monkeypatch.delenv(key, raising=False)
+
+    seen.gpus, seen.env, seen.no_launcher = gpus, env, no_launcher
+    return seen
+
+
+def srun_task(machine, localid, tasks_per_node, nodes=1, procid=None, gpus_on_node=None, visible=None, **more):
+    """The variables srun gives task `localid` of a step with `tasks_per_node` tasks on each of `nodes` nodes."""
+    ntasks = tasks_per_node * nodes
+    machine.env(SLURM_JOB_ID=41, SLURM_STEP_ID=0, SLURM_PROCID=localid if procid is None else procid,
+                SLURM_LOCALID=localid, SLURM_NODEID=0, SLURM_NTASKS=ntasks, SLURM_STEP_NUM_TASKS=ntasks,
+                SLURM_STEP_TASKS_PER_NODE=f"{tasks_per_node}(x{nodes})" if nodes > 1 else tasks_per_node, **more)
+    if gpus_on_node is not None:
+        machine.env(SLURM_GPUS_ON_NODE=gpus_on_node)
+    if visible is not None:
+        machine.env(CUDA_VISIBLE_DEVICES=visible)
+
+
+def torchrun_worker(machine, local_rank, local_world_size, **more):
+    machine.env(RANK=local_rank, LOCAL_RANK=local_rank, WORLD_SIZE=local_world_size,
+                LOCAL_WORLD_SIZE=local_world_size, GROUP_RANK=0, **more)
+
+
+# ------------------------------------------------------------------------------------------ which GPU
+
+@pytest.mark.parametrize("binding, allocation", [
+    ("srun --gpus-per-task=1", {}),
+    ("srun --gpu-bind=single:1 (or map_gpu)", {}),
+    ("salloc --gpus-per-task=1, then srun", {"SLURM_GPUS_PER_TASK": 1}),
+])
+def test_a_task_slurm_bound_to_one_gpu_takes_cuda0(machine, binding, allocation):
+    """Every task sees its own GPU as cuda:0 (CUDA_VISIBLE_DEVICES 0 or 1, of SLURM_GPUS_ON_NODE=4).  The
+    old choice trusted SLURM_GPUS_PER_TASK alone, which a step started with srun's own --gpus-per-task or
+    --gpu-bind does not have: local rank 1 stopped with 'needs GPU 1'."""
+    machine.gpus(1)
+    for localid in range(4):
+        srun_task(machine, localid, 4, gpus_on_node=4, visible=localid, **allocation)
+        assert setup_device("auto", localid) == torch.device("cuda", 0), binding
+    assert machine.current == [0, 0, 0, 0]
+
+
+def test_a_site_binding_without_slurm_gpu_counts_takes_cuda0(machine):
+    """A site's own binding (a wrapper that sets CUDA_VISIBLE_DEVICES per task, no gres counts): cuda:0."""
+    machine.gpus(1)
+    srun_task(machine, 3, 4, visible=3)
+    assert setup_device("cuda", 3) == torch.device("cuda", 0)
+
+
+def test_tasks_that_share_the_nodes_gpus_take_their_local_rank(machine):
+    machine.gpus(4)
+    for localid in range(4):
+        srun_task(machine, localid, 4, gpus_on_node=4, visible="0,1,2,3")
+        assert setup_device("auto", localid) == torch.device("cuda", localid)
+    assert machine.current == [0, 1, 2, 3]
+
+
+def test_tasks_bound_to_two_gpus_each_take_distinct_ones(machine):
+    """--gpus-per-task=2 with 2 tasks: each sees 2 of the step's 4; any of its own is its alone."""
+    machine.gpus(2)
+    srun_task(machine, 1, 2, gpus_on_node=4, visible="2,3")
+    assert setup_device("cuda", 1) == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("localid", [0, 1, 2])
+def test_more_slurm_tasks_than_shared_gpus_is_one_line_in_every_task(machine, localid):
+    """3 tasks on a node whose step has 2 GPUs that every task sees: every task stops with the same line, the
+    tasks that would have had a GPU too (the old check stopped local rank 2 alone and left 0 and 1 waiting
+    for it at init_process_group)."""
+    machine.gpus(2)
+    srun_task(machine, localid, 3, gpus_on_node=2, visible="0,1")
+    with pytest.raises(CourseError) as e:
+        setup_device("auto", localid)
+    assert str(e.value).startswith("3 Slurm tasks on this node share 2 visible GPU(s)")
+    assert "--gpus-per-task=1" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("local_rank", [0, 3])
+def test_torchrun_in_a_task_with_one_gpu_is_one_line_not_four_ranks_on_cuda0(machine, local_rank):
+    """`srun --ntasks-per-node=1 torchrun --nproc_per_node=4` in an allocation made with --gpus-per-task=1:
+    the torchrun task was given one GPU, which its 4 workers would share.  The old choice put all four on
+    cuda:0 (SLURM_GPUS_PER_TASK is set), and NCCL stopped with 'Duplicate GPU detected'."""
+    machine.gpus(1)
+    torchrun_worker(machine, local_rank, 4, SLURM_JOB_ID=41, SLURM_STEP_ID=0, SLURM_GPUS_PER_TASK=1,
+                    SLURM_GPUS_ON_NODE=1, CUDA_VISIBLE_DEVICES=0)
+    with pytest.raises(CourseError, match=r"^4 torchrun ranks on this node share 1 visible GPU\(s\).*"
+                                          r"give the torchrun task all the node's GPUs \(srun --gpus-per-task=4"):
+        setup_device("auto", local_rank)
+    assert machine.current == []
+
+
+def test_torchrun_ranks_take_their_local_rank(machine):
+    machine.gpus(4)
+    for local_rank in range(4):
+        torchrun_worker(machine, local_rank, 4)
+        assert setup_device("auto", local_rank) == torch.device("cuda", local_rank)
+
+
+def test_the_launchers_layout_wins_over_the_environment(machine):
+    """`--nproc 2` inside a one-task srun step: the ranks inherit the step's variables (one task on the
+    node), but course/launch.py records that the node runs 2 ranks, started by the lesson itself."""
+    machine.gpus(1)
+    srun_task(machine, 0, 1, gpus_on_node=2, visible=0)
+    course.devices.use_layout(2, "self")
+    try:
+        with pytest.raises(CourseError, match=r"^2 ranks on this node share 1 visible GPU"):
+            setup_device("cuda", 1)
+    finally:
+        course.devices.use_layout(None, None)
+
+
+def test_tasks_per_node_is_this_nodes_count(monkeypatch):
+    """SLURM_STEP_TASKS_PER_NODE=2(x2),1: the third node runs one task (the old parse took the first count)."""
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2(x2),1")
+    counts = []
+    for node in range(3):
+        monkeypatch.setenv("SLURM_NODEID", str(node))
+        counts.append(tasks_on_this_node())
+    assert counts == [2, 2, 1]
+
+
+def test_lesson1_puts_a_bound_task_on_its_own_gpu_and_stops_torchrun_ranks_that_share_one(machine, monkeypatch):
+    """Lesson 1's own worker, up to its init_process_group: the device it chose, or its one line."""
+    import torch.distributed as dist
+
+    worker = runpy.run_path(str(REPO / "day1" / "1_torch_dist_gpu.py"), run_name="lesson1")["worker"]
+
+    class Joined(Exception):
+        pass
+
+    def init_process_group(*_, **__):
+        raise Joined(tuple(machine.current))
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    args = SimpleNamespace(backend="nccl", timeout=10)
+    machine.gpus(1)
+    srun_task(machine, 1, 2, gpus_on_node=2, visible=1)  # srun --gpus-per-task=1: task 1 sees its GPU as cuda:0
+    with pytest.raises(Joined) as joined:
+        worker(SimpleNamespace(rank=1, local_rank=1, world_size=2, local_world_size=2, launcher="srun"), args)
+    assert joined.value.args[0] == (0,)
+    with pytest.raises(CourseError, match="^2 torchrun ranks on this node share 1 visible GPU"):
+        worker(SimpleNamespace(rank=1, local_rank=1, world_size=2, local_world_size=2, launcher="torchrun"), args)
+
+
+# ------------------------------------------------------------------------------------- which launcher
+
+def lesson0_args(*argv):
+    parser = runpy.run_path(str(REPO / "day1" / "0_torch_dist.py"), run_name="lesson0")["build_parser"]()
+    return parser.parse_args(list(argv))
+
+
+def test_an_explicit_nproc_in_a_one_task_step_starts_that_many_ranks(machine):
+    """`srun --pty bash` (or any `srun -n1`), then `python day1/0_torch_dist.py --nproc 2`: the lesson starts
+    2 ranks itself; without --nproc the step's one task is the one rank, as before."""
+    srun_task(machine, 0, 1)
+    asked = lesson0_args("--nproc", "2")
+    assert (detect_launcher(asked), world_size(asked)) == ("self", 2)
+    default = lesson0_args()
+    assert (detect_launcher(default), world_size(default)) == ("srun", 1)
+
+
+def test_an_nproc_that_disagrees_with_a_multi_task_step_is_one_line_from_task_0(machine):
+    """In a step of 4 tasks srun has started the ranks; --nproc 2 would have each task start 2 of its own."""
+    srun_task(machine, 0, 4)
+    with pytest.raises(CourseError, match=r"^--nproc 2 inside a Slurm step of 4 tasks: srun has started 4 ranks"):
+        detect_launcher(lesson0_args("--nproc", "2"))
+    srun_task(machine, 3, 4)
+    with pytest.raises(SystemExit) as e:  # the other tasks end without a line of their own
+        detect_launcher(lesson0_args("--nproc", "2"))
+    assert e.value.code == 1
+    assert detect_launcher(lesson0_args("--nproc", "4")) == "srun"
+
+
+def test_world_size_helpers_follow_the_launcher_not_the_jobs_task_count(machine):
+    """A batch script's own shell has SLURM_NTASKS=4 (the job's) but no step: `python lesson.py --nproc 2`
+    there runs 2 ranks, and the memory budget and DCP's resume check must plan for 2 (the old helper read 4)."""
+    from course.memory import world_size_of
+
+    machine.env(SLURM_JOB_ID=41, SLURM_PROCID=0, SLURM_NTASKS=4, SLURM_TASKS_PER_NODE="4")
+    assert world_size_of(SimpleNamespace(nproc=2)) == 2
+    srun_task(machine, 0, 1)  # a one-task step: an explicit --nproc 2, or the step's one task
+    assert world_size_of(lesson0_args("--nproc", "2")) == 2
+    assert world_size_of(lesson0_args()) == 1
+    machine.no_launcher()
+    torchrun_worker(machine, 0, 3)
+    assert world_size_of(lesson0_args("--nproc", "2")) == 3  # torchrun's world size wins, as documented
+
+
+# ---------------------------------------------------------------------------------------- precision
+
+def test_bf16_on_a_gpu_before_ampere_is_one_line_naming_the_gpu(lesson_main, machine, dataset):
+    """Lesson 13 with --precision bf16 on two V100s (capability 7.0): torch would emulate bf16 (slower than
+    fp32, and inductor skips compiling bf16 graphs there); one line says so and what to use.  Both ranks'
+    GPUs were read, none was made current."""
+    machine.gpus(2, capability=(7, 0), name="Tesla V100-SXM2-16GB")
+    done = lesson_main("day3/13_mixed_precision.py", "--quick", "--precision", "bf16", "--nproc", "2")
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "error: --precision bf16: GPU 0 (Tesla V100-SXM2-16GB) has compute capability 7.0; GPUs compute " \
+           "bf16 natively from 8.0 (Ampere) on" in done.stderr
+    assert "use --precision fp16 where the lesson offers it (13, 14), else fp32" in done.stderr
+    assert machine.capability_asked == [0] and machine.current == []
+
+
+def test_bf16_on_ampere_passes_and_reads_only_the_ranks_own_gpu(machine):
+    from course.precision import check_precision
+
+    args = SimpleNamespace(device="auto", precision="bf16", compile=False, bucket_cap_mb=25.0, nproc=2)
+    machine.gpus(4)
+    check_precision(args)  # --nproc 2 will use GPUs 0 and 1
+    assert machine.capability_asked == [0, 1]
+    machine.capability_asked.clear()
+    torchrun_worker(machine, 3, 4)
+    check_precision(args)
+    assert machine.capability_asked == [3]
+    machine.capability_asked.clear()
+    machine.gpus(1)
+    machine.no_launcher()
+    srun_task(machine, 1, 2, gpus_on_node=2, visible=1)  # bound to one GPU: its cuda:0
+    check_precision(args)
+    assert machine.capability_asked == [0] and machine.current == []
+
+
+def test_bf16_on_a_bound_task_before_ampere_names_its_own_gpu(machine):
+    from course.precision import check_precision
+
+    machine.gpus(1, capability=(7, 5), name="Tesla T4")
+    srun_task(machine, 1, 2, gpus_on_node=2, visible=1)
+    args = SimpleNamespace(device="cuda", precision="bf16", compile=False, bucket_cap_mb=25.0, nproc=2)
+    with pytest.raises(CourseError, match=r"^--precision bf16: GPU 0 \(Tesla T4\) has compute capability 7\.5"):
+        check_precision(args)
+    args.precision = "fp32"
+    check_precision(args)
