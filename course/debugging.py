@@ -1,28 +1,30 @@
 """What lesson 17 uses to turn a hung or mismatched job into one line that names the rank and the collective.
 
-- `install(rank)`, before init_process_group: the flight recorder on (TORCH_FR_BUFFER_SIZE, the last
-  collectives of this process with their Python stacks), and faulthandler: every thread's Python stack on
-  SIGUSR1 (`kill -USR1 PID`, or to the launcher of `--nproc N`, which passes it on to every rank; under Slurm
-  `scancel --signal=USR1 JOBID`) and when the process crashes (SIGABRT from gloo, SIGSEGV).
-- `named_failures(worker, info, args)`: a collective that times out or fails ends this rank with one line: which
-  collective it waited in (its sequence number, its shapes, the lesson line that issued it), how long, and the
-  last collective every other rank that still answers had entered (exchanged through the rendezvous store,
-  which outlives a broken gloo connection).  This rank's flight recorder dump is written to
-  RUN_DIR/flight_recorder/rank_R for the analyzer:
+The tools themselves (the timeout, the flight recorder and its dump, faulthandler, torch's debug server) are
+called in the lesson; this module formats what they give and keeps the books:
+- `one_line(error, record, rank, args, dump)`: which collective this rank waited in (its sequence number, its
+  shapes, the lesson line that issued it), how long, and the last collective every other rank that still
+  answers had entered (exchanged through the rendezvous store, which outlives a broken gloo connection);
+- `write_dump(record, run_dir, rank)`: this rank's flight recorder in RUN_DIR/flight_recorder/rank_R, where
+  torch's analyzer reads it:
       python -m torch.distributed.flight_recorder.fr_trace RUN_DIR/flight_recorder -p rank_
-  (add --allow-incomplete-ranks when a rank crashed before it could write its dump).
+  (add --allow-incomplete-ranks when a rank crashed before it could write its dump);
+- `repros_on_gloo(args)`, `check_args(args)`: what the lesson's --bug and --debug-server need, before any rank
+  starts.
 
 Checked in torch 2.14.1 (CPU, gloo): the flight recorder records gloo's collectives (state "scheduled" only:
-gloo does not report their completion to it), but the automatic dump on a timeout (TORCH_NCCL_DUMP_ON_TIMEOUT,
-TORCH_FR_DUMP_TEMP_FILE) is done by ProcessGroupNCCL's watchdog only, so this rank dumps it itself.  gloo's
-dump names its group '' in pg_config while its entries say '0': the analyzer then stops with KeyError
+gloo does not report their completion to it); the dump on a timeout is written by ProcessGroupNCCL's watchdog
+only (gloo has none), so on gloo the failed rank dumps it itself.  gloo's dump names its group '' in pg_config
+while its entries say '0': the analyzer (and the debug server's /fr_trace page) then stop with KeyError
 ('0', 0); the dump written here names the group as the entries do, and the analyzer reads it.
 """
-import faulthandler
+import ctypes
+import importlib.util
 import json
 import os
 import pickle
 import signal
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -37,17 +39,11 @@ FR_DIR = "flight_recorder"
 PEER_WAIT_S = 3.0  # how long a failed rank waits for the others' last collectives before it reports
 
 
-def install(rank: int) -> None:
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # read when the first process group is made
-    faulthandler.enable(all_threads=True)  # a crash (gloo's abort on a size mismatch) prints the Python stack
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where is every thread now?
-
-
-def _entries() -> list:
-    try:
-        return pickle.loads(torch._C._distributed_c10d._dump_fr_trace()).get("entries", [])
-    except Exception:  # recorder off (TORCH_FR_BUFFER_SIZE=0) or nothing recorded
-        return []
+def dump_prefix(run_dir: Path) -> str:
+    """RUN_DIR/flight_recorder/rank_ (the directory made): where NCCL's watchdog writes rank R's dump as
+    rank_R when TORCH_FR_DUMP_TEMP_FILE names it, and where write_dump writes gloo's."""
+    (Path(run_dir) / FR_DIR).mkdir(parents=True, exist_ok=True)
+    return str(Path(run_dir) / FR_DIR / "rank_")
 
 
 def _lesson_line(entry: dict) -> str:
@@ -67,23 +63,25 @@ def describe(entry: dict) -> str:
     return f"{op} #{entry.get('collective_seq_id')} ({shape}, issued at {_lesson_line(entry)})"
 
 
-def summary() -> dict:
-    """This rank's last collective and when it entered it."""
-    entries = _entries()
+def summary(record: bytes) -> dict:
+    """This rank's last collective, from its flight recorder, and when it entered it."""
+    try:
+        entries = pickle.loads(record).get("entries", [])
+    except Exception:  # recorder off (TORCH_FR_BUFFER_SIZE=0) or nothing recorded
+        entries = []
     if not entries:
         return {"what": "no collective recorded", "since_s": None}
     last = entries[-1]
     return {"what": describe(last), "since_s": time.time() - last["time_created_ns"] / 1e9}
 
 
-def dump(run_dir: Path, rank: int) -> Path:
+def write_dump(record: bytes, run_dir: Path, rank: int) -> Path:
     """This rank's flight recorder, in the file layout the analyzer reads (see the module docstring)."""
-    data = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    data = pickle.loads(record)
     groups = {e["process_group"][0]: e["process_group"][1] for e in data.get("entries", [])}
     ranks = next(iter(data.get("pg_config", {}).values()), {}).get("ranks", str(list(range(dist.get_world_size()))))
     data["pg_config"] = {name: {"name": name, "desc": desc, "ranks": ranks} for name, desc in groups.items()}
-    path = Path(run_dir) / FR_DIR / f"rank_{rank}"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(dump_prefix(run_dir) + str(rank))
     path.write_bytes(pickle.dumps(data))
     return path
 
@@ -121,23 +119,27 @@ def _why(error: Exception) -> str:
     return f"failed ({type(error).__name__}: {text.strip().splitlines()[0][:200] if text.strip() else ''})"
 
 
-def named_failures(worker, info, args):
-    """Run `worker(info, args)`; a failed collective ends this rank with one line naming it, how long this
-    rank waited in it, and the other ranks' last collectives.  Used as launch(partial(named_failures, worker))."""
-    start = time.time()
-    try:
-        return worker(info, args)
-    except RuntimeError as error:
-        if isinstance(error, CourseError) or not dist.is_initialized():
-            raise
-        rank, mine = info.rank, summary()
-        waited = f"{mine['since_s']:.1f} s" if mine["since_s"] is not None else "?"
-        where = dump(args.run_dir, rank)
-        line = (f"rank {rank} waited {waited} in {mine['what']} and stopped: {_why(error)} "
-                f"(--timeout {args.timeout:g} s; {time.time() - start:.1f} s after it started)"
-                + _peers(rank, mine)
-                + f".  Flight recorder: python -m torch.distributed.flight_recorder.fr_trace {where.parent} -p rank_")
-        raise CourseError(line) from None
+def one_line(error: Exception, record: bytes, rank: int, args, dump: Path, started: float) -> str:
+    """The line a failed rank ends with: where it waited, how long, why it stopped, what the others did."""
+    mine = summary(record)
+    waited = f"{mine['since_s']:.1f} s" if mine["since_s"] is not None else "?"
+    return (f"rank {rank} waited {waited} in {mine['what']} and stopped: {_why(error)} "
+            f"(--timeout {args.timeout:g} s; {time.time() - started:.1f} s after it started)"
+            + _peers(rank, mine)
+            + f".  Flight recorder: python -m torch.distributed.flight_recorder.fr_trace {dump.parent} -p rank_")
+
+
+def repros_on_gloo(args) -> None:
+    """--bug runs on the CPU with gloo, whatever --device and --backend ask: says so in one line (rank 0)."""
+    gpu = args.backend == "nccl" or args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.bug == "none" or not gpu:
+        return
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(f"lesson 17: --bug {args.bug} runs on the CPU with gloo (asked: --device {args.device} --backend "
+              f"{args.backend}): NCCL's watchdog ends a process whose collective timed out from its own thread, "
+              f"before the rank can say where it waited, and NCCL does not check that the ranks' collectives "
+              f"match", flush=True)
+    args.device, args.backend = "cpu", "gloo"
 
 
 def check_args(args) -> None:
@@ -145,3 +147,18 @@ def check_args(args) -> None:
     if args.bug != "none" and args.nproc < 2 and "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
         raise CourseError(f"--bug {args.bug} needs at least 2 ranks (--nproc 2): with one rank there is no "
                           f"other rank to wait for")
+    if args.debug_server and importlib.util.find_spec("jinja2") is None:
+        raise CourseError("--debug-server needs Jinja2, which torch.distributed.debug renders its pages with: "
+                          "pip install Jinja2 (it is in requirements.txt)")
+    repros_on_gloo(args)
+
+
+def ends_with_this_process() -> None:
+    """Every process forked from here from now on gets SIGTERM when this one ends (Linux's
+    PR_SET_PDEATHSIG).  start_debug_server starts its web page's process from rank 0 as a daemon, which
+    multiprocessing ends at a normal exit only: a rank 0 stopped by the launcher's SIGTERM left it running,
+    holding its port and the job's output (measured: a test's wait for the launcher's output timed out).
+    Started with "fork" (the ranks' own default here is a fork server, whose children this hook never sees)."""
+    if sys.platform.startswith("linux"):
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        os.register_at_fork(after_in_child=lambda: prctl(1, signal.SIGTERM))  # 1: PR_SET_PDEATHSIG

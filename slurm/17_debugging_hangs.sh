@@ -11,11 +11,13 @@
 # must end on its own within --timeout with a line per rank naming the collective it waited in; the job
 # succeeds when the healthy run succeeds and the repro fails that way (a repro that trained to the end, or
 # hung until the time limit, fails the job).  With --bug in the arguments, only that run: the job then fails
-# when the repro does, as a real hung job would.
+# when the repro does, as a real hung job would.  On a GPU site the healthy run uses NCCL, the repro the CPU
+# with gloo (its first line says why): NCCL's watchdog would end the ranks before they could say where.
 # While a step hangs, from a login node: every rank's Python stack in this job's log
 #   scancel --signal=USR1 JOBID
 # or py-spy beside the running step (on the node the rank runs on, its PID from the log or ps):
 #   srun --overlap --jobid JOBID -w NODE py-spy dump --pid PID
+# or, with --debug-server PORT in the lesson arguments, every rank's stacks on one page: http://RANK0_NODE:PORT/stacks
 #
 # Site-specific options (account, partition, qos, constraint, GPUs) are not in this file: slurm/submit.sh
 # adds them to the sbatch command line from the site profile (slurm/sites/).

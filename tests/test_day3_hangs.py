@@ -15,6 +15,7 @@ named_failures' CourseError in course/debugging.py replaced by a bare `raise`, t
 "Timed out waiting 3000ms for recv operation", which names neither the collective nor the other rank, and the
 three message tests below fail (skip, uneven, shape; run 2026-11-24).
 """
+import json
 import re
 import subprocess
 import time
@@ -29,18 +30,20 @@ TIMEOUT_S, PEER_WAIT_S, START_S, DETECT_SLACK_S = 3, 3, 90, 1.5
 SLURM_TIMEOUT_S = 10  # long enough to send the job a signal and run py-spy beside it while it waits
 COMMON = ["--train-samples", "320", "--batch-size", "16", "--epochs", "1", "--save-every", "3",
           "--timeout", str(TIMEOUT_S), "--loader", "memory"]
-# The runs: name -> (launcher, --bug)
-RUNS = {"none": ("self", "none"), "skip": ("self", "skip"), "uneven": ("torchrun", "uneven"),
-        "shape": ("self", "shape")}
+# The runs: name -> (launcher, --bug, more arguments).  shape asks for NCCL, as on a GPU node: the repros run
+# on the CPU with gloo whatever is asked (here, where there is no GPU, --backend nccl would otherwise stop
+# before any rank starts, needing 2 GPUs).
+RUNS = {"none": ("self", "none", []), "skip": ("self", "skip", []), "uneven": ("torchrun", "uneven", []),
+        "shape": ("self", "shape", ["--backend", "nccl"])}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, dataset):
     root = tmp_path_factory.mktemp("hangs")
     out = {}
-    for name, (launcher, bug) in RUNS.items():
+    for name, (launcher, bug, more) in RUNS.items():
         start = time.perf_counter()
-        proc = lesson(SCRIPT, *COMMON, "--bug", bug, "--run-dir", root / name, launcher=launcher, nproc=2,
+        proc = lesson(SCRIPT, *COMMON, *more, "--bug", bug, "--run-dir", root / name, launcher=launcher, nproc=2,
                       check=False, timeout=120)
         out[name] = (root / name, proc, time.perf_counter() - start)
         print(f"lesson 17 --bug {bug} ({launcher}): exit {proc.returncode} after {out[name][2]:.1f} s")
@@ -102,13 +105,65 @@ def test_a_barrier_against_an_all_reduce_names_both_ranks_and_both_collectives(r
 
 
 def test_different_sizes_name_the_all_reduce_and_its_shape(runs):
-    """--bug shape: rank 1 all_reduces 3 numbers, rank 0 two; rank 0's completes and it goes on, rank 1 waits."""
+    """--bug shape: rank 1 all_reduces 3 numbers, rank 0 two; rank 0's completes and it goes on, rank 1 waits.
+    Asked for NCCL, the repro says at the start that it runs on the CPU with gloo, and why."""
     _, proc, seconds = runs["shape"]
+    assert proc.stdout.startswith("lesson 17: --bug shape runs on the CPU with gloo (asked: --device auto "
+                                  "--backend nccl): NCCL's watchdog ends a process"), proc.stdout
     ended_by_its_timeout(proc, seconds, TIMEOUT_S)
     lines = rank_lines(proc)
     said = " ".join(lines.values())
     assert re.search(r"rank 1 (waited [\d.]+ s in|last entered) all_reduce #\d+ \(shape \[3\]", said), said
     assert re.search(r"rank 0 (waited [\d.]+ s in|last entered) \w+ #\d+", said), said
+
+
+def test_the_lines_quoted_in_the_guide_are_the_lines_a_run_names(runs):
+    """The learners' guide quotes a rank's line with the lesson's line numbers: they must be the lines that
+    issue the barrier and the gradient all_reduce today, as the skip run names them."""
+    named = set(re.findall(r"issued at 17_debugging_hangs.py:(\d+)", runs["skip"][1].stderr))
+    guide = (REPO / "docs" / "learners" / "debugging-hangs.md").read_text()
+    quoted = set(re.findall(r"17_debugging_hangs.py:(\d+)", guide))
+    assert len(named) == 2 and quoted == named, (named, quoted)
+
+
+def test_the_environment_set_before_init_process_group(tmp_path):
+    """What the lesson's worker sets before init_process_group, simulated on a GPU node's backend (NCCL, whose
+    watchdog dumps the flight recorder to TORCH_FR_DUMP_TEMP_FILE + rank on a timeout): the worker is run in a
+    fresh process with init_process_group replaced by a recorder, so no rank starts."""
+    code = f"""
+import json, os, runpy, sys
+import torch.distributed as dist
+sys.argv = ["{SCRIPT}"]
+lesson = runpy.run_path("{REPO / SCRIPT}", run_name="lesson17")
+seen = {{}}
+def init(backend, **kw):
+    seen.update(backend=backend, timeout_s=kw["timeout"].total_seconds(),
+                env={{k: os.environ.get(k) for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE")}})
+    raise SystemExit(0)
+dist.init_process_group = init
+lesson["worker"].__globals__["backend_for"] = lambda device, backend: "nccl"
+args = lesson["build_parser"]().parse_args(["--device", "cpu", "--run-dir", "{tmp_path / 'run'}"])
+try:
+    lesson["worker"](type("Info", (), dict(rank=1, world_size=2, local_rank=1))(), args)
+finally:
+    print(json.dumps(seen))
+"""
+    seen = json.loads(run([PYTHON, "-c", code], env={"TORCH_FR_BUFFER_SIZE": None, "TORCH_FR_DUMP_TEMP_FILE": None},
+                          timeout=120).stdout.strip().splitlines()[-1])
+    prefix = tmp_path / "run" / "flight_recorder" / "rank_"
+    assert seen == {"backend": "nccl", "timeout_s": 10.0,
+                    "env": {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": str(prefix)}}, seen
+    assert prefix.parent.is_dir()  # NCCL's writer opens PREFIX + rank and does not make the directory
+
+
+def test_a_debug_server_without_jinja2_is_one_line(lesson_main, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "jinja2" else real(name, *a))
+    proc = lesson_main(SCRIPT, "--nproc", "2", "--debug-server", "25999")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "--debug-server needs Jinja2" in lines[0], proc.stderr
 
 
 def test_the_flight_recorder_analyzer_names_the_culprit(runs):
