@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO, environ, max_rel_diff, run
 from solutions_check import argv, commands, metrics, run_edited, run_solution, sections, solution, weights
-from test_day3_hangs import ended_by_its_timeout
+from test_day3_hangs import START_S, ended_by_its_timeout
 
 
 # ------------------------------------------------------------------------------------------ lesson 13
@@ -201,16 +201,32 @@ def test_17_1_uneven_under_torchrun_names_the_barrier_and_the_bucket(tmp_path, d
 @solution("17_debugging_hangs", 2)
 @pytest.mark.slow
 def test_17_2_sigusr1_prints_every_ranks_stack(tmp_path, dataset):
+    """SIGUSR1 (faulthandler), py-spy and torch's debug server (--debug-server) on the same waiting ranks; the
+    debug server's page process ends with the run (its port is free again)."""
+    import urllib.request
+
+    from course.ports import free_port
+
     cmd, env = argv(commands("17_debugging_hangs", 2)[0], tmp_path)
+    port = free_port()
+    cmd = [str(port) if c == "25999" else c for c in cmd]
+    assert str(port) in cmd, cmd
     run_dir = tmp_path / "solutions" / "17-stacks"
     proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=environ(env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    pages = {}
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + START_S  # starting and training up to the checkpoint: the machine's load
         while not (run_dir / "checkpoint.pt").exists():  # written just before rank 0's barrier
             assert time.monotonic() < deadline and proc.poll() is None, "the run never reached its checkpoint"
             time.sleep(0.2)
         time.sleep(2)  # both ranks now wait: rank 0 in the barrier, rank 1 in backward's all_reduce
+        for page in ("stacks", "fr_trace_json"):  # rank 0 starts the page's process: it may take seconds
+            while page not in pages and time.monotonic() < deadline + 20:
+                try:
+                    pages[page] = urllib.request.urlopen(f"http://127.0.0.1:{port}/{page}", timeout=30).read().decode()
+                except OSError:
+                    time.sleep(0.5)
         proc.send_signal(signal.SIGUSR1)
         time.sleep(2)
         # py-spy on every process under the launcher (the fork server and the two ranks)
@@ -221,9 +237,16 @@ def test_17_2_sigusr1_prints_every_ranks_stack(tmp_path, dataset):
                                 timeout=60) for child in psutil.Process(proc.pid).children(recursive=True)]
     finally:
         proc.terminate()
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=START_S)
     assert err.count("(most recent call first)") >= 2, err
     assert re.search(r'line \d+ in barrier', err) and re.search(r'line \d+ in backward', err), err
+    # the debug server: both ranks' Python stacks, rank 0 first, and both ranks' flight recorders
+    stacks = pages.get("stacks", "")
+    assert re.search(r"Rank 0: .*?line \d+ in barrier.*?Rank 1: .*?line \d+ in backward", stacks, re.S), stacks
+    records = pages.get("fr_trace_json", "")
+    assert "Rank 1: " in records and '"profiling_name": "gloo:barrier"' in records, records[:3000]
+    with pytest.raises(OSError):  # the page's process ended with rank 0
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10)
     spied = "".join(d.stdout + d.stderr for d in dumps)
     if "Permission denied" in spied or "ptrace" in spied.lower():
         pytest.skip(f"py-spy cannot attach here (no ptrace rights): {spied.strip()[:200]}")
