@@ -16,6 +16,7 @@ import fcntl
 import math
 import os
 import socket
+import statistics
 import time
 from contextlib import contextmanager
 from datetime import datetime
@@ -25,7 +26,7 @@ from course.output import write_csv
 
 COLUMNS = ["date", "host", "world_size", "threads_per_rank", "model", "batch_per_rank", "device", "backend",
            "epochs", "samples", "train_seconds", "samples_per_second", "step_ms", "compute_ms", "comm_ms",
-           "comm_share", "allreduce_ms", "load", "noise", "fixed_ms", "other_cores"]
+           "comm_share", "allreduce_ms", "load", "noise", "fixed_ms", "other_cores", "median_step_ms"]
 NOISE_BLOCKS = 5
 LESSON = "day1/7_mnist_ddp_pt_timing.py"
 ACCOUNTED = 0.15  # the parts "account for" a step when they add up to it within this share
@@ -45,14 +46,14 @@ def add_world_size(p):
     """Lesson 7's world size: a positional argument, as in the original workshop, or --nproc."""
     import argparse
 
-    from course.cli import NprocGiven, positive_int
+    from course.cli import positive_int
 
-    p.add_argument("world_size", nargs="?", type=positive_int, default=None, action=NprocGiven,
+    p.add_argument("world_size", nargs="?", type=positive_int, default=None,
                    help="processes to spawn, as in the original workshop's `python 7_mnist_ddp_pt_timing.py "
                         "4`: the same as --nproc")
-    p.add_argument("--nproc", type=positive_int, default=argparse.SUPPRESS, action=NprocGiven,
-                   help="processes to spawn when started with plain python, also in a one-task srun step "
-                        "(ignored under torchrun; under srun with several tasks they are the ranks) (default: 2)")
+    p.add_argument("--nproc", type=positive_int, default=argparse.SUPPRESS,
+                   help="processes to spawn when started with plain python (ignored under torchrun/srun, "
+                        "which choose the world size) (default: 2)")
     return p
 
 
@@ -75,7 +76,7 @@ def world_size_asked(args, parser):
     are an error, and so is --sweep under a launcher that chose the world size."""
     from course.launch import detect_launcher
 
-    launcher = detect_launcher(args)
+    launcher = detect_launcher()
     if args.sweep and launcher != "self":
         parser.error(f"--sweep starts its own workers; under {launcher} run one world size per call "
                      f"(each call adds a row to the table)")
@@ -148,7 +149,8 @@ def row(args, world_size: int, device, epochs: int, samples: int, step_seconds: 
             "comm_ms": round(comm_ms, 3), "comm_share": round(comm_ms / step_ms, 3),
             "allreduce_ms": round(allreduce_ms, 3), "load": round(os.getloadavg()[0], 2),
             "noise": round(noise(step_seconds), 4), "fixed_ms": round(fixed_ms, 3),
-            "other_cores": round(max(0.0, other_cores), 2)}
+            "other_cores": round(max(0.0, other_cores), 2),
+            "median_step_ms": round(statistics.median(step_seconds) * 1000, 3)}
 
 
 def config(row) -> tuple:
@@ -218,7 +220,9 @@ def summarize(rows: list) -> list:
                       "speedup_noise": round(spread, 3) if speedup is not None else "",
                       "predicted": round(predicted(r, base), 3) if base else "",
                       "compute_ms": c, "comm_ms": m, "fixed_ms": f, "parts_ms": round(c + m + f, 3),
-                      "step_ms": float(r["step_ms"]), "comm_share": float(r["comm_share"]),
+                      "step_ms": float(r["step_ms"]),
+                      "median_step_ms": float(r.get("median_step_ms") or r["step_ms"]),
+                      "comm_share": float(r["comm_share"]),
                       "other_cores": float(r.get("other_cores") or 0.0), "date": r["date"]})
     return table
 
@@ -301,7 +305,9 @@ def explain(row: dict, table: list, numel: int, run_dir: Path) -> None:
           f"communication {m:.3f} ms/step, fixed costs {f:.3f} ms/step (timed before training) -> a step of "
           f"{s:.3f} ms, {row['comm_share']:.0%} of it communication (the fastest bare all_reduce of the "
           f"{numel * 4 / 1e6:.2f} MB of gradients: {row['allreduce_ms']:.3f} ms)", flush=True)
-    print(f"training took {step:.3f} ms per step: the parts add up to {s / step:.0%} of it")
+    typical = float(row.get("median_step_ms") or step)
+    print(f"training took {step:.3f} ms per step: the parts add up to {s / step:.0%} of it (the median step: "
+          f"{typical:.3f} ms)")
     if row["other_cores"] > BUSY:
         print(f"note: other programs kept {row['other_cores']:.2f} of the {cores} cores busy during training: "
               f"a thread that waits for a core stalls the others, and these timings say as much about those "
@@ -358,6 +364,11 @@ def explain(row: dict, table: list, numel: int, run_dir: Path) -> None:
 
 def missing(row: dict, cores: int) -> str:
     """Why the parts timed before training need not add up to a training step: what no part can time."""
+    typical = float(row.get("median_step_ms") or row["step_ms"])
+    if abs(sum(parts(row)) / typical - 1) <= ACCOUNTED:
+        return (f"they account for the median step ({typical:.3f} ms); the mean is longer because of a few slow "
+                f"steps (a rank that lost its core for a while, a wait for the slowest rank), which the medians "
+                f"of the parts leave out")
     if row["other_cores"] > BUSY:
         return ("other programs took cores while the ranks trained, at other moments than while the parts "
                 "were timed")

@@ -20,7 +20,7 @@ from course.output import load_weights
 SCRIPT = "day1/7_mnist_ddp_pt_timing.py"
 COLUMNS = ["date", "host", "world_size", "threads_per_rank", "model", "batch_per_rank", "device", "epochs",
            "samples", "train_seconds", "samples_per_second", "step_ms", "compute_ms", "comm_ms", "comm_share",
-           "load", "fixed_ms", "other_cores"]
+           "load", "fixed_ms", "other_cores", "median_step_ms"]
 STEPS = 30
 
 
@@ -181,7 +181,11 @@ def test_a_step_the_parts_do_not_account_for_names_what_no_part_times(tmp_path, 
     table = timing.record(tmp_path, row)
     timing.explain(row, table, 1000, tmp_path)
     out = capsys.readouterr().out
-    assert "the parts add up to 62% of it" in out and "the parts miss +1.500 ms" in out and why in out
+    assert "the parts add up to 62% of it (the median step: 4.000 ms)" in out
+    assert "the parts miss +1.500 ms" in out and why in out
+    row.update(median_step_ms=2.7)  # the parts account for a typical step: a few slow steps make the mean
+    timing.explain(row, timing.record(tmp_path, row), 1000, tmp_path)
+    assert "they account for the median step (2.700 ms); the mean is longer" in capsys.readouterr().out
     row.update(step_ms=2.6)  # within 15 %: nothing missing to explain
     timing.explain(row, timing.record(tmp_path, row), 1000, tmp_path)
     assert "the parts miss" not in capsys.readouterr().out

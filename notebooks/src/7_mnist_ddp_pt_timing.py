@@ -78,7 +78,7 @@ run_lesson("day1/7_mnist_ddp_pt_timing.py", NPROC, "--sweep", *SIZE, *DEVICE, "-
 table = read_csv(RUN / "scaling.csv")
 show_table(table, ["model", "batch_per_rank", "world_size", "threads_per_rank", "samples_per_second", "speedup",
                    "speedup_noise", "predicted", "compute_ms", "comm_ms", "fixed_ms", "parts_ms", "step_ms",
-                   "other_cores"])
+                   "median_step_ms", "other_cores"])
 for r in table:  # keep a record of these rows (the same configuration runs in other notebooks too)
     record_result("day1/7_mnist_ddp_pt_timing.py", lesson="7_mnist_ddp_pt_timing", model=r["model"],
                   batch_per_rank=int(r["batch_per_rank"]), world_size=int(r["world_size"]), device=r["device"],
@@ -94,7 +94,8 @@ for r in table:  # keep a record of these rows (the same configuration runs in o
 # ## A step's parts against the training's step
 #
 # Each bar stacks the three parts of a step, timed before training (medians); the black line over it is
-# the mean step the training then took. Where the bar reaches the line, the parts account for the step and
+# the mean step the training then took (the dotted line: its median step; the mean is what samples/s and
+# the speed-up are made of). Where the bar reaches the line, the parts account for the step and
 # the prediction can be trusted; where the communication part is as large as the work saved by splitting
 # the batch, more ranks cannot pay off.
 
@@ -112,18 +113,20 @@ for ax, (model, batch) in zip(axes, configs):
         ax.bar(names, part, bottom=bottom, label=label)
         bottom = [b + p for b, p in zip(bottom, part)]
     steps = [float(r["step_ms"]) for r in rows]
-    ax.hlines(steps, [i - 0.4 for i in range(len(rows))], [i + 0.4 for i in range(len(rows))], colors="k",
-              label="training: mean step")
+    ends = [i - 0.4 for i in range(len(rows))], [i + 0.4 for i in range(len(rows))]
+    ax.hlines(steps, *ends, colors="k", label="training: mean step")
+    ax.hlines([float(r["median_step_ms"]) for r in rows], *ends, colors="k", linestyles=":",
+              label="training: median step")
     for i, r in enumerate(rows):
         if r["speedup"] and int(r["world_size"]) > 1:
             ax.text(i, max(bottom[i], steps[i]), f"{float(r['predicted']):.2f}x predicted\n"
                     f"{float(r['speedup']):.2f}x ± {float(r['speedup_noise'] or 0):.2f} measured",
                     ha="center", va="bottom", fontsize=8)
     ax.set(title=f"{model}, batch {batch} per rank", ylabel="ms per step",
-           ylim=(0, 1.35 * max(bottom + steps)))
-    ax.legend(fontsize=7, loc="upper left")
-fig.suptitle("the parts of a step, timed before training (bars), and the training's mean step (lines)")
-fig.tight_layout()
+           ylim=(0, 1.3 * max(bottom + steps)))
+fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=5, fontsize=8)
+fig.suptitle("the parts of a step, timed before training (bars), and the steps the training took (lines)")
+fig.tight_layout(rect=(0, 0.08, 1, 1))
 plt.show()
 
 # %% [markdown]
