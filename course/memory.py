@@ -8,10 +8,35 @@ Before any rank starts, `plan` tells from the model's shapes alone (built on the
 what a rank will hold under DDP and under FSDP2 at a world size, so that a per-rank budget is checked before
 anything runs.  FSDP2 splits dim 0 of every parameter as `torch.chunk` does: rank 0 gets ceil(rows / W) rows,
 the most of any rank, so rank 0's bytes are the ones to compare with a budget.
+
+Measured, not counted: `StepPeak` watches one training step (the third: the first like every later one)
+from its first forward to its `optimizer.step()`, and reports what this rank held when the step began and
+the most it held during it.
+- On a GPU: `torch.cuda.memory_allocated` when the step begins, `torch.cuda.reset_peak_memory_stats` there
+  and `torch.cuda.max_memory_allocated` when it ends: everything the caching allocator handed out, the
+  dataset held on the GPU and cuBLAS's workspaces included.
+- On the CPU: the bytes of live tensor storages, tracked by a `TorchDispatchMode` (`LiveTensors`) during the
+  step alone.  It sees every operator call of the rank's own thread, autograd's backward included, and
+  counts each storage once: a storage an operator returns that it was not given is new (+ its bytes); one it
+  is given and has not seen was held before the step if it outlives the step (DDP's gradient buckets), and
+  was the step's own if it dies within it (a buffer made in a thread it does not watch); a storage's death
+  (a weak reference's callback) takes its bytes off; `UntypedStorage.resize_`, which FSDP2 uses to allocate and free its gathered
+  parameters and which is no operator call, is wrapped during the step.  The parameters, gradients,
+  buffers and optimizer state are registered when the step begins.  What it does not see: tensors no
+  operator of the step touches (the dataset: the step uses a batch of it), allocations inside gloo's own
+  threads, and memory that is not a tensor (the interpreter, libraries, the allocator's slack).
+Why not torch's own tools: `torch.distributed._tools.mem_tracker.MemTracker` raises NotImplementedError
+when the root module runs forward a second time inside one tracker, which is what gradient accumulation
+(lesson 14) does in every step, and it updates every tracked module's statistics after every operator; the
+profiler's memory events (`profile_memory=True`) count only allocations made while it records (freeing a
+tensor allocated before does not count) and record every operator's event besides.
 """
+import itertools
 import math
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 MB = 2 ** 20
 
@@ -49,6 +74,182 @@ def watch_after_forward(model) -> dict:
 
     model.register_forward_hook(hook)
     return seen
+
+
+def _storages(t: torch.Tensor) -> list:
+    """The storages a tensor's bytes live in: a DTensor's (or another wrapper's) inner tensors' storages."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        inner = [getattr(t, name) for name in t.__tensor_flatten__()[0]]
+        return [s for x in inner if isinstance(x, torch.Tensor) for s in _storages(x)]
+    if t.device.type == "meta" or t.layout != torch.strided:
+        return []
+    return [t.untyped_storage()]
+
+
+class LiveTensors(TorchDispatchMode):
+    """While active: the bytes of live tensor storages this thread's operators hold (the module's docstring
+    says what it sees).  `before`: the bytes held when it began (registered with `hold`, or first seen as an
+    operator's input and still alive at the end); `peak_above`: the most bytes live at once above `before`.
+    A storage first seen as an input that dies before the end was made where the tracker does not look
+    (gloo's reduce_scatter on CPU tensors allocates its buffers in gloo's own threads): it counts as made
+    during the step, for as long as it was seen alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.before = self.above = 0  # above: live bytes now minus `before` as known so far
+        self._bytes = {}  # id(storage) -> [a weak reference whose callback subtracts, the bytes counted, token]
+        self._unknown = {}  # first seen as an input during the step, alive: token -> bytes
+        self._died = {}  # those that died during the step: token -> bytes
+        self._peaks = {}  # frozenset of _unknown's tokens alive -> the largest `above` while they were
+        self._tokens = itertools.count()  # a storage's id may be reused once it dies; a token is not
+        self._resize = None
+
+    def hold(self, *tensors) -> None:
+        for t in tensors:
+            for st in _storages(t):
+                self._see(st, held=True, registered=True)
+
+    def _see(self, st, held: bool, registered: bool = False) -> None:
+        key = id(st)
+        entry = self._bytes.get(key)
+        if entry is None:
+            n, token = st.nbytes(), next(self._tokens)
+            self._bytes[key] = [weakref.ref(st, lambda _, key=key: self._freed(key)), n, token]
+            if held:  # live before the step and now: `above` stays
+                self.before += n
+                if not registered:
+                    self._unknown[token] = n
+                    self._mark()
+            else:
+                self._grow(n)
+        elif entry[1] != st.nbytes():  # an operator resized it (out= arguments, resize_)
+            n = st.nbytes()
+            self._grow(n - entry[1])
+            entry[1] = n
+
+    def _mark(self) -> None:
+        alive = frozenset(self._unknown)
+        self._peaks[alive] = max(self._peaks.get(alive, self.above), self.above)
+
+    def _grow(self, n: int) -> None:
+        self.above += n
+        self._mark()
+
+    def _freed(self, key) -> None:
+        entry = self._bytes.pop(key, None)
+        if entry is None:
+            return
+        if entry[2] in self._unknown:  # the step's own after all: not held before
+            self._died[entry[2]] = self._unknown.pop(entry[2])
+            self.before -= entry[1]
+        else:
+            self.above -= entry[1]
+
+    @property
+    def peak_above(self) -> int:
+        return max((above + sum(self._died.get(k, 0) for k in alive) for alive, above in self._peaks.items()),
+                   default=0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+        from torch.utils._pytree import tree_leaves
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs its local operators, which come back here
+        kwargs = kwargs or {}
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                for st in _storages(t):
+                    self._see(st, held=True)
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                for st in _storages(t):
+                    self._see(st, held=False)
+        return out
+
+    def __enter__(self):
+        original = self._resize = torch.UntypedStorage.resize_
+
+        def resize_(st, size):  # FSDP2 allocates and frees its gathered parameters so, outside any operator
+            self._see(st, held=True)
+            original(st, size)
+            self._see(st, held=False)
+            return st
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        self._bytes.clear()  # the weak references go: the counts stay as they are now
+        return super().__exit__(*exc)
+
+
+class StepPeak:
+    """Measures one training step of this rank, the `at`-th, from its model's first forward in training to its
+    `optimizer.step()`.  The default, the third, is the first step like every later one: the first creates the
+    optimizer's state (SGD's momentum) and FSDP2's lazy initialization; in the second's forward DDP allocates
+    its gradient buckets anew, in the order the gradients arrived in the first backward.  Gradient
+    accumulation's micro-batches all belong to the step they accumulate for.  Begun by a forward pre-hook that runs before FSDP2's
+    own (which gathers the root's parameters), ended by the optimizer's step post-hook.  A compiled model's
+    kernels on the CPU run outside the operators `LiveTensors` sees: there it is not measured."""
+
+    def __init__(self, model, optimizer, device, at: int = 3):
+        self.model, self.optimizer, self.device, self.at = model, optimizer, device, at
+        self.steps, self.tracker, self.measured = 0, None, None
+        compiled = hasattr(model, "_orig_mod")  # torch.compile's wrapper
+        self.unmeasurable = "torch.compile's CPU kernels" if compiled and device.type != "cuda" else ""
+        model.register_forward_pre_hook(self._begin, prepend=True)
+        optimizer.register_step_post_hook(self._end)
+
+    def _begin(self, module, inputs) -> None:
+        if (self.tracker is not None or self.measured or self.unmeasurable or self.steps + 1 != self.at
+                or not (module.training and torch.is_grad_enabled())):
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.tracker = torch.cuda.memory_allocated(self.device)
+            return
+        tracker = LiveTensors()
+        params = list(self.model.parameters())
+        state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        tracker.hold(*params, *(p.grad for p in params if p.grad is not None), *self.model.buffers(), *state)
+        self.tracker = tracker.__enter__()
+
+    def _end(self, optimizer, args, kwargs) -> None:
+        self.steps += 1
+        if self.tracker is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            before = self.tracker
+            above = torch.cuda.max_memory_allocated(self.device) - before
+        else:
+            self.tracker.__exit__(None, None, None)
+            before, above = self.tracker.before, self.tracker.peak_above
+        self.tracker, self.measured = None, {"before": before, "above": above}
+
+    def how(self) -> str:
+        return "torch.cuda.max_memory_allocated" if self.device.type == "cuda" else "live tensors on the CPU"
+
+    def result(self) -> dict:
+        """For metrics.json: the bytes held when the step began, the most above that during it, their sum."""
+        m = self.measured
+        return {"measured_step": self.at if m else None, "how": self.how() if m else None,
+                "held_before_bytes": m and m["before"], "peak_above_bytes": m and m["above"],
+                "peak_bytes": m and m["before"] + m["above"]}
+
+    def __str__(self) -> str:
+        if self.measured is None:
+            why = self.unmeasurable or f"the run took fewer than {self.at} steps"
+            return f"memory of step {self.at} not measured ({why})"
+        r = self.result()
+        return (f"step {self.at}'s memory, measured ({r['how']}): {r['held_before_bytes'] / MB:.3f} MB held when it "
+                f"began, at most {r['peak_above_bytes'] / MB:.3f} MB more during it: peak {r['peak_bytes'] / MB:.3f} MB")
 
 
 def world_size_of(args) -> int:
