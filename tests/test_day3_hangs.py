@@ -11,7 +11,8 @@ other jobs, the healthy run 8.2-14.6 s, skip 10.9-18.8 s, uneven (torchrun) 13.9
 over 38 s once in a whole suite run with three workers (both ranks still waited 5.0 s).  A two-node batch
 job (skip, --timeout 10, signalled and py-spied while it waits) 18.4 s from submission.
 Checked by hand: with
-named_failures' CourseError in course/debugging.py replaced by a bare `raise`, the ranks end with gloo's
+the lesson's failed_collective (named_failures in course/debugging.py then) re-raising the exception as it
+is, the ranks end with gloo's
 "Timed out waiting 3000ms for recv operation", which names neither the collective nor the other rank, and the
 three message tests below fail (skip, uneven, shape; run 2026-11-24).
 """
