@@ -103,6 +103,15 @@ esac
 # PYTHON has what the lesson needs with these arguments (packages, torch release), or one line and no rank
 "$PYTHON" "$REPO/course/requires.py" "$LESSON" "$@" || exit 1
 
+# Each rank gets the cores of its task and as many threads, as in a batch job (slurm/lib/job.sh): srun (Slurm
+# >= 22.05) no longer takes --cpus-per-task from salloc's environment, so it is passed on; without it a rank
+# would count every core of the node as its own.
+CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$CPUS_PER_TASK}"
+if [[ -z "${SLURM_CPUS_PER_TASK:-}" && "${SITE_CPUS_PER_TASK:-1}" -gt 1 ]]; then
+    echo "multinode: note: this allocation gives each task 1 CPU (no --cpus-per-task), the site profile asks for" \
+         "$SITE_CPUS_PER_TASK: allocate with --cpus-per-task=$SITE_CPUS_PER_TASK to give each rank its cores"
+fi
 NNODES="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}"
 NTASKS="${SLURM_NTASKS:-$NNODES}"
 # "4(x2)" or "4,2": the first node's count; torchrun starts the same number of ranks on every node
@@ -142,7 +151,7 @@ echo "multinode: $PYTHON $LESSON $*"
 
 if [[ "$LAUNCHER" == srun ]]; then
     # one task per rank: SLURM_NTASKS of them, placed as the allocation says
-    srun --kill-on-bad-exit=1 --ntasks="$NTASKS" "$PYTHON" -u "$LESSON" "$@"
+    srun --kill-on-bad-exit=1 --ntasks="$NTASKS" --cpus-per-task="$CPUS_PER_TASK" "$PYTHON" -u "$LESSON" "$@"
 else
     # one torchrun agent per node, with the CPUs of all its ranks; the agents meet at MASTER_ADDR:MASTER_PORT
     GPUS_PER_AGENT=()
