@@ -149,6 +149,8 @@ def main_thread(text):
 
 
 stacks = sections("stacks")
+assert sorted(stacks) == [0, 1] and all(map(sections, ("fr_trace_json", "pyspy_dump"))), \
+    f"the debug server's pages were not all read while the ranks waited (read: {sorted(pages)})"
 for rank, text in stacks.items():
     print(f"--- rank {rank}\n{main_thread(text)}")
 
