@@ -313,7 +313,9 @@ def explain(row: dict, table: list, numel: int, run_dir: Path) -> None:
               f"a thread that waits for a core stalls the others, and these timings say as much about those "
               f"programs as about DDP")
     if abs(s / step - 1) > ACCOUNTED:
-        print(f"the parts miss {step - s:+.3f} ms of a training step: " + missing(row, cores))
+        gap = f"miss {step - s:.3f} ms of a training step" if s < step else \
+            f"exceed a training step by {s - step:.3f} ms"
+        print(f"the parts {gap}: " + missing(row, cores))
     if w == 1:
         print("1 rank has nobody to talk to: its 'communication' is DDP's own bookkeeping around a 1-rank "
               "all_reduce, and noise.  This is the baseline the other world sizes are compared with.")
@@ -376,6 +378,10 @@ def missing(row: dict, cores: int) -> str:
         return (f"{row['world_size']} ranks x {row['threads_per_rank']} threads on {cores} cores take turns: "
                 f"a rank that waits for a core holds up the others at the next all_reduce, and how often that "
                 f"happens differs between the probe (every part starts after a barrier) and training")
+    if sum(parts(row)) > row["step_ms"]:
+        return ("each part was timed with every rank starting together after a barrier, all of them computing "
+                "at the same moment and competing for the cores and memory; in training the ranks drift apart "
+                "and compete less")
     return ("each part was timed on its own, every rank starting together after a barrier; in training the "
             "parts run back to back and the ranks drift apart (the wait for the slowest rank, and the loop "
             "itself, are not in the parts)")
