@@ -156,9 +156,10 @@ def check_args(args) -> None:
 def ends_with_this_process() -> None:
     """Every process forked from here from now on gets SIGTERM when this one ends (Linux's
     PR_SET_PDEATHSIG).  start_debug_server starts its web page's process from rank 0 as a daemon, which
-    multiprocessing ends at a normal exit only: a rank 0 stopped by the launcher's SIGTERM left it running,
-    holding its port and the job's output (measured: a test's wait for the launcher's output timed out).
-    Started with "fork" (the ranks' own default here is a fork server, whose children this hook never sees)."""
+    multiprocessing ends at a normal exit only.  Measured without this hook: after the launcher's SIGTERM had
+    ended rank 0, the page's process went on, listening on its port and on the sockets it inherited from
+    rank 0, and holding the job's output open (a caller waiting for that output waited in vain).  The lesson
+    starts it with "fork": the ranks' default here is a fork server, whose children this hook never sees."""
     if sys.platform.startswith("linux"):
         prctl = ctypes.CDLL(None, use_errno=True).prctl
         os.register_at_fork(after_in_child=lambda: prctl(1, signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
