@@ -29,9 +29,11 @@ the lesson; this module is the file plumbing around it:
   dict that torch.load(weights_only=True) reads.
 DCP's own files carry no checksum, and torch.load verifies none: bytes flipped in place (a failing disk, a
 bad copy) load without a word where they fall in tensor data, and where they fall in a record's header
-they end the run with a traceback from deep inside dcp.load (both seen here with 64 bytes flipped).  The digest is SHA-256 (course/checkpoints.py says why: on this machine it
-costs about what a CRC does, and it is collision resistant).
+they end the run with a traceback from deep inside dcp.load (both seen here with 64 bytes flipped).  The
+digest is SHA-256 (course/checkpoints.py says why: on this machine it costs about what a CRC does, and it
+is collision resistant).
 """
+import hashlib
 import json
 import os
 import shutil
@@ -68,6 +70,15 @@ def settings(args, world_size: int) -> dict:
             "global_batch_size": world_size * args.batch_size, "world_size": world_size}
 
 
+_staged_seconds = {}  # checkpoint directory -> how long async_save's copy took (Writer.stage), until read
+
+
+def copy_seconds(tmp: Path) -> float:
+    """How long dcp.async_save's copy to CPU memory took for the save into `tmp` (Writer.stage timed it);
+    0 for a plain dcp.save, which stages nothing.  Read once."""
+    return _staged_seconds.pop(str(tmp), 0.0)
+
+
 class Writer(FileSystemWriter):
     """DCP's FileSystemWriter, which also writes, beside every file it wrote, that file's sha256 (FILE.sha256).
 
@@ -78,6 +89,14 @@ class Writer(FileSystemWriter):
     it is also what dcp.async_save stages with (FileSystemWriter is a BlockingAsyncStager: a copy to CPU
     memory before async_save returns)."""
 
+    def stage(self, state_dict):
+        """FileSystemWriter's stage() (the copy dcp.async_save makes before it returns, in the calling process),
+        timed: Saves reports it."""
+        begun = time.perf_counter()
+        staged = super().stage(state_dict)
+        _staged_seconds[str(self.path)] = time.perf_counter() - begun
+        return staged
+
     def write_data(self, plan, planner):
         written = super().write_data(plan, planner)  # a future that is already done: the file is written
         for name in sorted({result.storage_data.relative_path for result in written.value()}):
@@ -87,8 +106,6 @@ class Writer(FileSystemWriter):
 
 def canonical_digest(content: dict) -> str:
     """The sha256 of complete.json's content written in one canonical way (sorted keys, no spaces)."""
-    import hashlib
-
     return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -310,11 +327,11 @@ class Saves:
     AsyncCheckpointerType.PROCESS a process of its own per rank, started at the first save); its future is
     done when that save is, which on every rank comes after rank 0 has written .metadata.  The time the
     training loop spends in a save is its stall: waiting for the previous save, then get_state_dict and the
-    save call (for async_save: the copy)."""
+    save call (for async_save: the copy, which Writer.stage times, and the hand-over to the executor)."""
 
     def __init__(self, rank: int, keep: int, chosen: list):
         self.rank, self.keep, self.pending, self.published = rank, keep, None, []
-        self.stalls, self.calls, self.waits, self.begun, self.waited = [], [], [], 0.0, 0.0
+        self.stalls, self.calls, self.copies, self.waits, self.begun, self.waited = [], [], [], [], 0.0, 0.0
         # the published checkpoints newer than the one resumed from were all skipped at the start as damaged
         self.damaged = {str(p) for p, _ in chosen[2] if chosen[0] is None or p.name > Path(chosen[0]).name}
 
@@ -327,6 +344,7 @@ class Saves:
     def started(self, result, tmp: Path, info: dict) -> None:
         """Every rank, once dcp.save (its Metadata) or dcp.async_save (a Future) has returned."""
         self.calls.append(time.perf_counter() - self.waited)
+        self.copies.append(copy_seconds(tmp))
         self.pending = (result if isinstance(result, Future) else None, tmp, info)
         if self.pending[0] is None:
             self.wait()  # rank 0: every rank has written: complete.json, then the rename
@@ -355,7 +373,7 @@ class Saves:
     def metrics(self) -> dict:
         """What metrics.json records about the saves, in seconds per save."""
         return {"checkpoints": self.published, "save_stall_seconds": self.stalls,
-                "save_call_seconds": self.calls, "save_wait_seconds": self.waits}
+                "save_call_seconds": self.calls, "save_copy_seconds": self.copies, "save_wait_seconds": self.waits}
 
     def report(self, executor) -> None:
         """Rank 0: how long the training loop waited for its saves, and for what."""
@@ -366,8 +384,9 @@ class Saves:
             return
         print(f"checkpoints: {len(self.stalls)} with dcp.async_save (a {executor} writes); the training loop "
               f"waited {ms(self.stalls)} per save (most {1000 * max(self.stalls, default=0):.1f} ms): "
-              f"{ms(self.calls)} in get_state_dict and async_save until it returned (the copy to CPU memory), "
-              f"{ms(self.waits)} for the previous save to finish", flush=True)
+              f"{ms(self.copies)} in async_save's copy to CPU memory, "
+              f"{ms([c - s for c, s in zip(self.calls, self.copies)])} in the rest of get_state_dict and the "
+              f"async_save call, {ms(self.waits)} for the previous save to finish", flush=True)
 
 
 def add_args(p):

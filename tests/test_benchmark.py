@@ -29,6 +29,9 @@ CPU_GOALS = {
     "vit w32 d2, 2 ranks, micro-batch 32, K = 4: all_reduce bytes per sample",
     "vit w32 d2, batch 16, CPU: kept for backward, checkpointed",
     "vit w32 d2, batch 16, CPU: train step, checkpointed",
+    "vit w32 d2, batch 16, CPU, live tensors: step's peak above what was held before it, checkpointed",
+    "vit w32 d2, batch 2 per rank, 2 ranks: step's peak per rank, FSDP2 (ZeRO-3)",
+    "vit w32 d2, batch 2 per rank, 4 ranks: step's peak per rank, FSDP2 (ZeRO-3)",
     *(f"vit w32 d2, {w} ranks: sha256 of {what}" for w in (2, 4)
       for what in ("every file of a save, each rank its own (lesson 16)", "the one file on rank 0 (lesson 12)")),
 }
@@ -67,7 +70,7 @@ def test_smoke_run_writes_csv_table_and_plot_with_finite_ratios(dataset, tmp_pat
                          "stall per step, dcp.save after every step", "stall per step, dcp.async_save after every step",
                          "stall per step, dcp.async_save (process executor) after every step",
                          "async_save's call until it returns, thread executor",
-                         "the copy alone (the Writer's stage(), as async_save calls it)"):
+                         "the copy inside that call (the Writer's stage()), process executor"):
             assert f"vit w32 d2, {w} ranks: {measured}" in names
 
     # lesson 13's --compile: the compiled step against the eager one, and the seconds the compiling took
