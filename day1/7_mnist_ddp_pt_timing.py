@@ -11,13 +11,13 @@ A data-parallel training step has three parts:
     step = compute + communication not overlapped + fixed costs
     s_W  = c_W     + m_W                          + f_W          (ms, on each of W ranks)
 
-compute is forward + backward on b samples per rank; communication not overlapped is what the gradient
-all_reduce adds to backward (the part DDP could not hide behind it, waiting for the slowest rank included);
-fixed costs are the rest of a step: the next batch, zero_grad and the optimizer's step.  Before training,
-every rank times each part on its own, a few times, interleaved: forward + backward inside DDP's
-`no_sync()` (c), the same with the all_reduce (c + m), and the rest of a step, with a twin of the optimizer
-whose learning rate is 0 (the same work, the weights stay as they are).  W ranks do W*b samples per step
-in s_W ms, one process does b samples in s_1 ms, so the lesson predicts
+compute is forward + backward on b samples per rank (and the zero_grad before it); communication not
+overlapped is what the gradient all_reduce adds to backward (the part DDP could not hide behind it,
+waiting for the slowest rank included); fixed costs are the rest of a step: the next batch and the
+optimizer's step.  Before training, every rank times each part on its own, a few times, interleaved:
+forward + backward inside DDP's `no_sync()` (c), the same with the all_reduce (c + m), and the rest of a
+step, with a twin of the optimizer whose learning rate is 0 (the same work, the weights stay as they are).
+W ranks do W*b samples per step in s_W ms, one process does b samples in s_1 ms, so the lesson predicts
 
     speed-up = W * s_1 / s_W
 

@@ -6,10 +6,10 @@
 # "I used 4 GPUs and it got slower" is one of the most common questions about data parallelism. A
 # data-parallel training step, on each of W ranks, has three parts:
 #
-# - **compute**: forward and backward on *b* samples per rank, *c_W* ms;
+# - **compute**: forward and backward on *b* samples per rank (and the `zero_grad` before), *c_W* ms;
 # - **communication not overlapped**: what the gradient all_reduce adds to backward (the part DDP could not
 #   hide behind it, waiting for the slowest rank included), *m_W* ms;
-# - **fixed costs**: the rest of a step (the next batch, `zero_grad`, the optimizer's step), *f_W* ms.
+# - **fixed costs**: the rest of a step (the next batch and the optimizer's step), *f_W* ms.
 #
 # $$s_W = c_W + m_W + f_W$$
 #
