@@ -18,6 +18,7 @@ only (gloo has none), so on gloo the failed rank dumps it itself.  gloo's dump n
 while its entries say '0': the analyzer (and the debug server's /fr_trace page) then stop with KeyError
 ('0', 0); the dump written here names the group as the entries do, and the analyzer reads it.
 """
+import argparse
 import ctypes
 import importlib.util
 import json
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from course.cli import CourseError
+from course.cli import CourseError, positive_int
 
 BUGS = ("none", "skip", "uneven", "shape")
 FR_DIR = "flight_recorder"
@@ -140,6 +141,14 @@ def repros_on_gloo(args) -> None:
               f"before the rank can say where it waited, and NCCL does not check that the ranks' collectives "
               f"match", flush=True)
     args.device, args.backend = "cpu", "gloo"
+
+
+def port(text: str) -> int:
+    """--debug-server's value: a TCP port, 1-65535."""
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1-65535)")
+    return value
 
 
 def check_args(args) -> None:

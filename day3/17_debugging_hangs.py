@@ -191,7 +191,7 @@ def build_parser():
                    help="skip: rank 0 alone enters a barrier; uneven: the last rank has one batch more; "
                         "shape: the last rank all_reduces one number more; none: the healthy run")
     p.add_argument("--save-every", type=cli.positive_int, default=5, help="a checkpoint every N steps")
-    p.add_argument("--debug-server", type=cli.positive_int, default=None, metavar="PORT",
+    p.add_argument("--debug-server", type=debugging.port, default=None, metavar="PORT",
                    help="serve every rank's stacks and flight recorder on http://RANK0_HOST:PORT "
                         "(torch.distributed.debug; torch's default port is 25999)")
     p.set_defaults(timeout=10.0)  # seconds a rank waits in a collective: short, so that a hang ends soon
