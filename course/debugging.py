@@ -25,6 +25,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -159,6 +160,14 @@ def check_args(args) -> None:
     if args.debug_server and importlib.util.find_spec("jinja2") is None:
         raise CourseError("--debug-server needs Jinja2, which torch.distributed.debug renders its pages with: "
                           "pip install Jinja2 (it is in requirements.txt)")
+    if args.debug_server and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        with socket.socket() as s:  # rank 0's page would otherwise fail in its own process, the job going on
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", args.debug_server))
+            except OSError:
+                raise CourseError(f"--debug-server {args.debug_server}: that port is already in use on "
+                                  f"{socket.gethostname()}; choose another") from None
     repros_on_gloo(args)
 
 

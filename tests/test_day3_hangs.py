@@ -157,6 +157,19 @@ finally:
     assert prefix.parent.is_dir()  # NCCL's writer opens PREFIX + rank and does not make the directory
 
 
+def test_a_debug_server_on_a_port_in_use_is_one_line(lesson_main):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = lesson_main(SCRIPT, "--nproc", "2", "--debug-server", port)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and f"--debug-server {port}: that port is already in use" \
+        in lines[0], proc.stderr
+
+
 def test_a_debug_server_without_jinja2_is_one_line(lesson_main, monkeypatch):
     import importlib.util
 
