@@ -73,7 +73,7 @@ def check_native_bf16(args) -> None:
             raise CourseError(f"--precision bf16: GPU {index} ({torch.cuda.get_device_name(index)}) has compute "
                               f"capability {major}.{minor}; GPUs compute bf16 natively from 8.0 (Ampere) on, "
                               f"below that torch emulates it, slower than fp32, and --compile would run eager; "
-                              f"use --precision fp16 where the lesson offers it (13, 14), else fp32")
+                              f"use --precision fp16 where the lesson offers it, else fp32")
 
 
 def warm_up(model, train_set, args, dtype) -> None:
