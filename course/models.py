@@ -63,6 +63,21 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def vit_parts(patch: int = 7, width: int = 64, depth: int = 4, heads: int = 4, classes: int = 10):
+    """The ViT's parts as (name, module or parameter), in the order its constructor makes them and so draws
+    their random numbers.  Made one at a time under the seed of a whole ViT, each part has that ViT's initial
+    weights: lesson 15 initializes its shards this way without ever holding more than one block whole."""
+    if 28 % patch:
+        raise ValueError(f"patch {patch} must divide 28 (1, 2, 4, 7, 14 or 28)")
+    yield "embed", nn.Conv2d(1, width, patch, stride=patch)  # each patch -> one token of `width` numbers
+    yield "position", nn.Parameter(torch.randn(1, (28 // patch) ** 2, width) * 0.02)
+    yield "blocks", nn.ModuleList()
+    for i in range(depth):
+        yield f"blocks.{i}", Block(width, heads)
+    yield "norm", nn.LayerNorm(width)
+    yield "head", nn.Linear(width, classes)
+
+
 class ViT(nn.Module):
     """A small Vision Transformer for 28x28 images: non-overlapping `patch` x `patch` patches become tokens
     (7x7 patches: 16 tokens), each projected to `width` numbers, plus a learned position embedding; `depth`
@@ -71,13 +86,9 @@ class ViT(nn.Module):
 
     def __init__(self, patch: int = 7, width: int = 64, depth: int = 4, heads: int = 4, classes: int = 10):
         super().__init__()
-        if 28 % patch:
-            raise ValueError(f"patch {patch} must divide 28 (1, 2, 4, 7, 14 or 28)")
-        self.embed = nn.Conv2d(1, width, patch, stride=patch)  # each patch -> one token of `width` numbers
-        self.position = nn.Parameter(torch.randn(1, (28 // patch) ** 2, width) * 0.02)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, classes)
+        for name, part in vit_parts(patch, width, depth, heads, classes):
+            parent, _, leaf = name.rpartition(".")  # "blocks.2": the third entry of self.blocks
+            setattr(self.get_submodule(parent), leaf, part)
 
     def forward(self, x):
         x = self.embed(x).flatten(2).transpose(1, 2) + self.position  # [B, tokens, width]
