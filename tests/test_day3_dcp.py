@@ -193,6 +193,9 @@ def test_every_save_is_published_and_its_stall_measured(runs):
         m = metrics(runs[name][0])
         assert [p.rsplit("/", 1)[1] for p in m["checkpoints"]] == [f"step-{s:09d}" for s in steps]
         assert len(m["save_stall_seconds"]) == 2 and f"checkpoints: 2 with {kind}" in runs[name][1]
+        # the stall's parts: the wait for the previous save, then the call, which holds async_save's copy
+        for stall, wait, call, copy in zip(*(m[f"save_{k}_seconds"] for k in ("stall", "wait", "call", "copy"))):
+            assert wait + call <= stall and 0 <= copy <= call and (copy > 0) == (kind == "dcp.async_save"), m
         print(f"{name} ({kind}): the loop waited {[round(s * 1000, 1) for s in m['save_stall_seconds']]} ms per save")
 
 
