@@ -19,6 +19,8 @@ rank's gradients, yet every rank skips the same step: DDP has already all_reduce
 on one rank makes the sum inf on all of them (--overflow-at injects one on one rank to watch it).
 On a CPU without bf16 instructions (no avx512_bf16/AMX in lscpu's flags) 16-bit matrix products are
 emulated and slower than fp32; on GPUs and recent server CPUs they are faster.  --batch-size is per rank.
+Every rank measures the memory of its step 3 (course/memory.py): what it holds as the forward begins, and
+the most during the step; lessons 14 and 15 show what checkpointing and sharding take off it.
 --compile: torch.compile of the DDP-wrapped model.  Compiled after wrapping, dynamo cuts the graph at DDP's
 bucket boundaries, so each bucket's all_reduce still starts while the rest of backward runs (compiling the
 bare model before wrapping gives one graph whose gradients all arrive at its end).  The first forward and
@@ -43,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli, precision, replicas
+from course import cli, memory, precision, replicas
 from course.evaluate import evaluate
 from course.launch import backend_for, launch, setup_device
 from course.models import add_vit_args, check_vit_args, model_from_args
@@ -71,6 +73,7 @@ def worker(info, args):
     if args.compile:  # after DDP wraps it: dynamo splits the graph at DDP's buckets, whose all_reduces overlap
         model = torch.compile(model)  # compiles on its first forward and backward: warm_up runs them, untimed
         precision.warm_up(model, train_set, args, dtype)  # rank 0 says how long compiling took
+    peak = memory.StepPeak(model, optimizer, device)  # step 3's bytes: held as it begins, most during it
     # only fp16 needs loss scaling; disabled, scale() and unscale_() do nothing and step() just steps
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
 
@@ -115,7 +118,7 @@ def worker(info, args):
     seconds = time.perf_counter() - start
     prof.close()
     rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch), "
-                     f"{len(skipped)} skipped {skipped}")
+                     f"{len(skipped)} skipped {skipped}; {peak}")
 
     identical = replicas.identical_on_all_ranks(model.parameters())  # DIST: all_gathers every rank's weights
     losses = torch.stack(losses)
@@ -132,7 +135,7 @@ def worker(info, args):
             "epochs": args.epochs, "steps": step, "skipped_steps": skipped, "identical_weights": identical,
             "samples_seen": samples, "train_seconds": seconds, "samples_per_second": samples / seconds,
             "test_accuracy": accuracy, "test_loss": test_loss, "loss_per_step": losses,
-            "grad_norm_per_step": torch.stack(norms).tolist()})
+            "grad_norm_per_step": torch.stack(norms).tolist(), "memory": peak.result()})
         save_weights(run / "model.pt", model)
         plot_curves(run / "loss.png", {f"{args.precision}, {world_size} ranks": (range(1, step + 1), losses)},
                     "step", "training loss (mean over ranks)", f"{args.model}, global batch {global_batch}")

@@ -23,6 +23,11 @@ Lesson 13's loop (mixed precision stays as it was), with two ways to train what 
   all_reduce calls and bytes of every optimizer step (a DDP communication hook that counts each bucket, then
   all_reduces it as DDP would), and the bytes autograd keeps for backward during one micro-batch's forward
   (saved-tensor hooks; CUDA's peak memory too where there is a GPU).
+- What the step really holds is measured on every rank (course/memory.py, as in lessons 13 and 15): during
+  step 3, from its first forward to `optimizer.step()`, the bytes held when it began and the most above
+  that; checkpointing can shrink only the part above (the replica is held before the step and stays).  On
+  a GPU torch.cuda.max_memory_allocated minus what was allocated as the step began (the run's whole peak
+  would include the dataset held on the GPU); on the CPU the live tensors.
 Accumulation costs time: K micro-batches take about K times one's compute.  --batch-size is per rank and per
 micro-batch.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
@@ -45,7 +50,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import accumulation, cli, replicas
+from course import accumulation, cli, memory, replicas
 from course.evaluate import evaluate
 from course.launch import backend_for, launch, setup_device
 from course.models import add_vit_args, check_vit_args, model_from_args
@@ -74,6 +79,7 @@ def worker(info, args):
     meter = accumulation.Meter(model, device, args.checkpoint_activations)  # counts what is sent and kept
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     dtype = DTYPES[args.precision]
+    peak = memory.StepPeak(model, optimizer, device)  # step 3's bytes: held as it begins, most during it
     # only fp16 needs loss scaling; disabled, scale() and unscale_() do nothing and step() just steps
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
 
@@ -127,7 +133,7 @@ def worker(info, args):
     seconds = time.perf_counter() - start
     prof.close()
     rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch), "
-                     f"{len(skipped)} skipped {skipped}")
+                     f"{len(skipped)} skipped {skipped}; {peak}")
 
     identical = replicas.identical_on_all_ranks(model.parameters())  # DIST: all_gathers every rank's weights
     losses = torch.stack(losses)
@@ -145,7 +151,7 @@ def worker(info, args):
             "epochs": args.epochs, "steps": step, "skipped_steps": skipped, "identical_weights": identical,
             "samples_seen": samples, "train_seconds": seconds, "samples_per_second": samples / seconds,
             "test_accuracy": accuracy, "test_loss": test_loss, "loss_per_step": losses,
-            "grad_norm_per_step": torch.stack(norms).tolist()})
+            "grad_norm_per_step": torch.stack(norms).tolist(), "memory": peak.result()})
         save_weights(run / "model.pt", model)
         plot_curves(run / "loss.png", {f"{args.precision}, {world_size} ranks": (range(1, step + 1), losses)},
                     "step", "training loss (mean over ranks)", f"{args.model}, global batch {global_batch}")

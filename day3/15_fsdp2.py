@@ -33,6 +33,10 @@ Lesson 13's loop, with DDP replaced by FSDP2 (`torch.distributed.fsdp.fully_shar
   model's shapes before any rank starts, under DDP and under FSDP2; the run stops if FSDP2 does not fit.
   The default model (width 128, depth 4) needs 6.2 MB per rank under DDP: over the default budget of 4 MB,
   a stand-in for one GPU's memory (x1000 for a real one), while FSDP2 over 2 ranks needs 3.1 MB.
+- Every rank measures its step 3 (course/memory.py's StepPeak, as lesson 13 does for DDP): the bytes it
+  holds as the step's forward begins (its shards) and the most it holds during it (the gathered blocks,
+  the whole gradients before their reduce_scatter, the activations): on a GPU from
+  torch.cuda.max_memory_allocated, on the CPU from the live tensors.
 --batch-size is per rank.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line (sharding too).
 """
@@ -79,6 +83,7 @@ def worker(info, args):
     fully_shard(model, mesh=mesh, mp_policy=policy)  # DIST: the root: what no block owns, and the hooks
     after_forward = memory.watch_after_forward(model)  # parameter bytes held from forward to backward
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    peak = memory.StepPeak(model, optimizer, device)  # step 3's bytes: held as it begins, most during it
 
     # DDP: rank r gets every W-th index of the epoch's shuffled order; padded so all shards are equal
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
@@ -111,7 +116,7 @@ def worker(info, args):
             break
     seconds = time.perf_counter() - start
     prof.close()
-    rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch)")
+    rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch); {peak}")
     per_rank = memory.gather(rank, model, optimizer, after_forward)  # DIST: what every rank holds, in bytes
     full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}  # DIST: all_gathers, all ranks
     losses = torch.stack(losses)
@@ -129,7 +134,7 @@ def worker(info, args):
             "reshard_after_forward": args.reshard_after_forward, "per_rank_bytes": per_rank,
             "samples_seen": samples, "train_seconds": seconds, "samples_per_second": samples / seconds,
             "test_accuracy": accuracy, "test_loss": test_loss, "loss_per_step": losses,
-            "grad_norm_per_step": torch.stack(norms).tolist()})
+            "grad_norm_per_step": torch.stack(norms).tolist(), "memory": peak.result()})
         save_weights(run / "model.pt", full)
         plot_curves(run / "loss.png", {f"{args.precision}, {world_size} ranks": (range(1, step + 1), losses)},
                     "step", "training loss (mean over ranks)", f"{args.model}, global batch {global_batch}")

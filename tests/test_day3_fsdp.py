@@ -121,6 +121,30 @@ def test_each_rank_holds_about_one_wth_of_ddps_replica(runs, w):
     assert f"holds parameters {per_rank[1]['parameters'] / 2 ** 20:.3f} MB" in runs[f"fsdp{w}"][1]
 
 
+@pytest.mark.parametrize("w", [2, 4])
+def test_measured_what_a_rank_holds_when_a_step_begins_is_its_shards(runs, w):
+    """Measured (live tensors, step 3 of 4, rank 0): what a rank holds as step 3's forward begins is, byte for
+    byte, what it counts in parameters, gradients and momentum, plus the step's batch (its labels are a view
+    of the epoch's labels of the rank's shard: that storage is what is held): under FSDP2 its
+    shards, under lesson 13's DDP the whole replica and DDP's gradient bucket (a fourth copy).  At this tiny
+    size (batch 16, 78 kB of parameters) the activations and the gathered blocks, not the state, make the
+    peak: measured 2026-11-26, 1 120 512 bytes under FSDP2 against 1 234 592 under DDP at W = 2, 1 085 560
+    against 1 233 312 at W = 4; the benchmark's memory section measures a model whose state dominates."""
+    fsdp, ddp = metrics(runs[f"fsdp{w}"][0]), metrics(runs[f"ddp{w}"][0])
+    # the batch's fp32 images, and its labels: a view of the int64 labels of the rank's whole epoch shard
+    batch = 16 * 28 * 28 * 4 + 640 // w * 8
+    parameter_bytes = sum(v.numel() * 4 for v in initial().values())
+    for m in (fsdp["memory"], ddp["memory"]):
+        assert m["measured_step"] == 3 and m["how"] == "live tensors on the CPU"
+        assert m["peak_bytes"] == m["held_before_bytes"] + m["peak_above_bytes"] > m["held_before_bytes"]
+    assert fsdp["memory"]["held_before_bytes"] == fsdp["per_rank_bytes"][0]["total"] + batch
+    assert ddp["memory"]["held_before_bytes"] == 4 * parameter_bytes + batch
+    print(f"W = {w}: held when step 3 began, FSDP2 {fsdp['memory']['held_before_bytes']}, DDP "
+          f"{ddp['memory']['held_before_bytes']} bytes; peak {fsdp['memory']['peak_bytes']} against "
+          f"{ddp['memory']['peak_bytes']}")
+    assert "step 3's memory, measured (live tensors on the CPU)" in runs[f"fsdp{w}"][1]
+
+
 def test_the_default_model_needs_fsdp2_to_fit_the_default_budget():
     """Width 128, depth 4 (the lesson's defaults): DDP needs 6.18 MB per rank, over 4 MB; FSDP2 over 2
     ranks 3.10 MB.  Planned from the shapes alone, which the test above shows equal to what a run holds."""

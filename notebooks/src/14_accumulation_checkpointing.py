@@ -20,7 +20,10 @@
 #   memory for more compute, and the same arithmetic: the same gradients.
 #
 # What each saves is counted while the run trains (course/accumulation.py): a DDP communication hook counts
-# every bucket it all_reduces, and saved-tensor hooks count the bytes autograd keeps for backward.
+# every bucket it all_reduces, and saved-tensor hooks count the bytes autograd keeps for backward. And what
+# it saves in memory is measured: every rank measures its third step (course/memory.py's `StepPeak`), the
+# bytes it held as the step's first forward began and the most it held above that until `optimizer.step()`
+# (on a GPU `torch.cuda.max_memory_allocated`, on the CPU the live tensors).
 
 # %%
 from nbhelpers import *
@@ -72,6 +75,8 @@ show_table([{"run": name, "K": r["accumulate"], "batch per rank": r["batch_size"
              "KB sent per step": r["allreduce_bytes_per_step"] / 1024,
              "bytes sent per sample": r["allreduce_bytes_per_sample"],
              "MB kept for backward per micro-batch": r["saved_for_backward_bytes"] / 2 ** 20,
+             "MB held as step 3 began": r["memory"]["held_before_bytes"] / 2 ** 20,
+             "MB peak above that": r["memory"]["peak_above_bytes"] / 2 ** 20,
              "ms per step": r["step_seconds"] * 1000,
              "training samples/s": r["global_batch_size"] / r["step_seconds"]} for name, r in m.items()])
 
@@ -150,6 +155,33 @@ md(f"Kept for backward per micro-batch: {acc['saved_for_backward_bytes'] / 2 ** 
       f"machine busier during one of the two runs. Time them again on an idle machine.")
    + (f" CUDA's peak memory: {acc['cuda_peak_bytes'] / 2 ** 20:.1f} MB against {ckpt['cuda_peak_bytes'] / 2 ** 20:.1f} MB."
       if acc["cuda_peak_bytes"] else ""))
+
+# %% [markdown]
+# What the step really held, measured on rank 0 during step 3: checkpointing can only shrink what a step adds
+# above what it began with; the parameters, the momentum and DDP's gradient bucket are held before it and
+# stay.
+
+# %%
+held = {n: m[n]["memory"] for n in ("one batch", "accumulated", "small batch", "checkpointed")}
+fig, ax = plt.subplots(figsize=(6, 2.6))
+ax.barh(list(held), [h["held_before_bytes"] / 2 ** 20 for h in held.values()], color="tab:gray",
+        label="held as the step began")
+ax.barh(list(held), [h["peak_above_bytes"] / 2 ** 20 for h in held.values()],
+        left=[h["held_before_bytes"] / 2 ** 20 for h in held.values()], color="tab:orange", label="most above that")
+ax.set(xlabel=f"MB, step 3, rank 0 ({held['accumulated']['how']})")
+ax.legend(fontsize=8)
+plt.show()
+a, c, o = held["accumulated"], held["checkpointed"], held["one batch"]
+saved = c["peak_above_bytes"] / a["peak_above_bytes"]
+md(f"Above what the step began with ({a['held_before_bytes'] / 2 ** 20:.2f} MB without checkpointing, "
+   f"{c['held_before_bytes'] / 2 ** 20:.2f} MB with it), the step rose at most "
+   f"{a['peak_above_bytes'] / 2 ** 20:.2f} MB without checkpointing and {c['peak_above_bytes'] / 2 ** 20:.2f} MB "
+   f"with it: {saved:.2f}x, " + ("a real saving" if saved < 0.9 else "hardly a saving at this size")
+   + f", for a step {slower:.2f}x as long. It falls less than the bytes kept for backward "
+   f"({ckpt['saved_for_backward_bytes'] / acc['saved_for_backward_bytes']:.2f}x): the gradients the step "
+   f"creates and backward's temporaries, the recomputed block's activations among them, are there either way. "
+   f"Accumulating 4 micro-batches of 16 rose {a['peak_above_bytes'] / o['peak_above_bytes']:.2f}x as high as "
+   f"one batch of 64 did: each micro-batch's backward frees its activations before the next one's forward.")
 
 # %% [markdown]
 # ## Watching the hardware while it trains

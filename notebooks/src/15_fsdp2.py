@@ -148,6 +148,43 @@ md(f"The fullest rank holds {fullest / MB:.2f} MB, **{fullest / p['ddp']:.3f}** 
       "repeats."))
 
 # %% [markdown]
+# ## Measured: the peak of a step
+#
+# Counting the state is not the whole story: a step also holds activations, gathered blocks and the
+# collectives' buffers. Every rank of lessons 13 and 15 measures its third step (course/memory.py's
+# `StepPeak`: `torch.cuda.max_memory_allocated` on a GPU, the live tensors on the CPU) and prints what it
+# held as the step's forward began and the most it held during the step. Rank 0's numbers from the runs
+# above, and from two more runs of a model whose state dominates, a ViT of width 256 and depth 8 with a
+# batch of 2 per rank:
+
+# %%
+BIG = ["--quick", "--max-steps", "3", "--width", "256", "--depth", "8", "--batch-size", "2", *DEVICE, "--seed", "3"]
+big = {"DDP (lesson 13), w256 d8": ("day3/13_mixed_precision.py", ["--precision", "fp32"], "big-ddp"),
+       "FSDP2, reshard, w256 d8": ("day3/15_fsdp2.py", ["--memory-budget-mb", "0"], "big-fsdp")}
+for name, (script, extra, folder) in big.items():
+    run_lesson(script, *BIG, *extra, "--run-dir", RUN / folder, nproc=NPROC)
+    m[name] = read_json(REPO / RUN / folder / "metrics.json")
+show_table([{"run": name, "MB held as step 3 began": m[name]["memory"]["held_before_bytes"] / MB,
+             "MB most above that": m[name]["memory"]["peak_above_bytes"] / MB,
+             "MB peak": m[name]["memory"]["peak_bytes"] / MB, "seconds": m[name]["train_seconds"]}
+            for name in [*runs, *big]])
+peak = {name: m[name]["memory"]["peak_bytes"] for name in m}
+small = peak["FSDP2, reshard"] / peak["DDP (lesson 13)"]
+large = peak["FSDP2, reshard, w256 d8"] / peak["DDP (lesson 13), w256 d8"]
+cost = m["FSDP2, reshard, w256 d8"]["train_seconds"] / m["DDP (lesson 13), w256 d8"]["train_seconds"]
+md(f"Measured ({m['DDP (lesson 13)']['memory']['how']}): at width 64 FSDP2's peak was {small:.2f}x DDP's, "
+   + ("hardly less: the activations of the batch, which sharding does not divide, make most of it. "
+      if small > 0.8 else "less, though the activations of the batch are not divided. ")
+   + f"With the state dominating (width 256, depth 8, batch 2) FSDP2's peak on rank 0 was "
+   f"{peak['FSDP2, reshard, w256 d8'] / MB:.1f} MB against DDP's {peak['DDP (lesson 13), w256 d8'] / MB:.1f} MB: "
+   f"**{large:.2f}x** over {NPROC} ranks (1/{NPROC} would be {1 / NPROC:.2f}). DDP began the step holding "
+   f"parameters, gradients, momentum and its gradient bucket (four copies of the model); FSDP2 its shards "
+   f"of three, and during the step it added the gathered blocks and whole gradients waiting for their "
+   f"reduce_scatter ({m['FSDP2, reshard, w256 d8']['memory']['peak_above_bytes'] / MB:.1f} MB), which do not "
+   f"shrink with more ranks. The cost: the FSDP2 run took {cost:.2f}x DDP's time for the same 3 steps and "
+   f"the evaluation.")
+
+# %% [markdown]
 # On a GPU node the gathered parameters are the largest part of the activations' peak for big models, and
 # ZeRO-2 trades that memory for one fewer all_gather per block; on this CPU the collectives run over
 # loopback between processes that share the cores, so the times say more about this machine than about
