@@ -16,7 +16,8 @@ process-group init for 2 and 4 ranks, per launcher), precision (lesson 13's ViT 
 accumulation (lesson 14: all_reduce bytes and time per sample at K = 1, 2, 4 micro-batches; checkpointing's
 bytes kept for backward and step time),
 fsdp (lesson 15's FSDP2 against DDP at 2 and 4 ranks: bytes per rank and step time), dcp (lesson 16's
-distributed checkpoints against torch.save on rank 0: save and load MB/s, the save's stall per step).
+distributed checkpoints against torch.save on rank 0: save and load MB/s, the save's stall per step), memory
+(the measured peak of a step: lesson 14 with and without checkpointing, lesson 15's FSDP2 against DDP).
 """
 import os
 import platform
@@ -96,10 +97,12 @@ def run(args):
             "size": "smoke" if args.smoke else "large" if args.large else "default"}
     print(meta_line(meta), flush=True)
 
-    from benchmarks import accumulation, dcp, fsdp, grad_sync, hdf5_stream, input_pipeline, precision, startup, training
+    from benchmarks import (accumulation, dcp, fsdp, grad_sync, hdf5_stream, input_pipeline, memory, precision,
+                            startup, training)
 
     modules = {"input": input_pipeline, "hdf5": hdf5_stream, "sync": grad_sync, "train": training,
-               "startup": startup, "precision": precision, "accumulation": accumulation, "fsdp": fsdp, "dcp": dcp}
+               "startup": startup, "precision": precision, "accumulation": accumulation, "fsdp": fsdp, "dcp": dcp,
+               "memory": memory}
     rows, seconds = [], {}
     for name in args.sections:
         start = time.perf_counter()

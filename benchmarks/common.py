@@ -21,7 +21,7 @@ from course.ports import free_port
 from course.supervise import before_init_process_group, start_method
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("input", "hdf5", "sync", "train", "startup", "precision", "accumulation", "fsdp", "dcp")
+SECTIONS = ("input", "hdf5", "sync", "train", "startup", "precision", "accumulation", "fsdp", "dcp", "memory")
 
 
 @dataclass
