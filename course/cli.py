@@ -129,6 +129,19 @@ def parse(p: Parser, argv=None) -> argparse.Namespace:
     if getattr(args, "quick", False):
         args.epochs = 1
         args.train_samples = args.train_samples or QUICK_TRAIN_SAMPLES
+    if getattr(args, "train_samples", None):
+        from data_tools.datasets import SPLITS
+
+        available = SPLITS["train"][2]
+        if args.train_samples > available:
+            p.exit(2, f"{p.prog}: error: --train-samples {args.train_samples}: the training set of {args.dataset} "
+                      f"has {available} samples; give at most {available}, or leave it out for all of them\n")
+    log_dir = getattr(args, "log_dir", None)  # lessons 5 and test-profile always profile; others with --profile
+    if log_dir is not None and (getattr(args, "profile", True) or getattr(args, "watch_hardware", False)):
+        problem = unwritable(log_dir)
+        if problem:
+            p.exit(2, f"{p.prog}: error: log dir {log_dir} cannot be written ({problem}); "
+                      f"choose another with --log-dir\n")
     run_dir = getattr(args, "run_dir", None)
     if run_dir is not None:
         problem = unwritable(run_dir)

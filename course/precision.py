@@ -28,6 +28,13 @@ def device_type(args) -> str:
 def check_precision(args) -> None:
     """One clear line, before any rank starts, if autocast cannot compute in --precision on this device, or if
     --compile meets a DDP bucket smaller than torch.compile's DDP graph splitting allows."""
+    if getattr(args, "overflow_at", None) is not None:  # the rank of the test overflow must be one of the run's
+        from course.launch import world_size
+
+        ranks = world_size(args)
+        if args.overflow_rank >= ranks:
+            raise CourseError(f"--overflow-rank {args.overflow_rank}: this run has {ranks} rank(s), 0 to {ranks - 1}; "
+                              f"choose one of them")
     first = torch.distributed._DEFAULT_FIRST_BUCKET_BYTES / 2**20  # DDP's first bucket (its "MB" are MiB): 1
     if getattr(args, "compile", False) and args.bucket_cap_mb < first:
         raise CourseError(f"--compile with --bucket-cap-mb {args.bucket_cap_mb:g}: compiled DDP splits the graph "

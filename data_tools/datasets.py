@@ -69,6 +69,12 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("COURSE_DATA_DIR", REPO_ROOT / "data"))
 
 
+def named(data_dir) -> str:
+    """The data dir as a message names it: with "(COURSE_DATA_DIR)" when that variable chose it."""
+    from_env = os.environ.get("COURSE_DATA_DIR")
+    return f"{data_dir} (COURSE_DATA_DIR)" if from_env and Path(from_env) == Path(data_dir) else str(data_dir)
+
+
 def spec(dataset: str) -> DatasetSpec:
     try:
         return DATASETS[dataset]
@@ -108,7 +114,7 @@ def load_split(dataset: str, split: str, data_dir=None):
     data_dir = Path(data_dir) if data_dir else default_data_dir()
     folder = data_dir / spec(dataset).folder
     if not (folder / "READY").exists():
-        raise DataError(f"{dataset} is not prepared in {data_dir}; run: {prepare_command(dataset, data_dir)}")
+        raise DataError(f"{dataset} is not prepared in {named(data_dir)}; run: {prepare_command(dataset, data_dir)}")
     try:
         images, labels = read_split(folder / "raw", split)
     except IDXError as e:
@@ -122,7 +128,7 @@ def require(dataset: str, data_dir=None) -> None:
     data_dir = Path(data_dir) if data_dir else default_data_dir()
     folder = data_dir / spec(dataset).folder
     if not (folder / "READY").exists():
-        raise DataError(f"{dataset} is not prepared in {data_dir}; run: {prepare_command(dataset, data_dir)}")
+        raise DataError(f"{dataset} is not prepared in {named(data_dir)}; run: {prepare_command(dataset, data_dir)}")
     # Headers and sizes only (a few bytes per file): a truncated or foreign file is one message here, in the
     # launching process, rather than one per rank; load_split() still validates everything it reads.
     for images, labels, n in SPLITS.values():
@@ -230,7 +236,7 @@ def prepare(dataset: str, data_dir=None, source=None, force: bool = False,
     try:
         lock = _lock(data_dir, s.folder)
     except OSError as e:
-        raise DataError(f"{dataset} is not prepared in {data_dir}, and it cannot be prepared there "
+        raise DataError(f"{dataset} is not prepared in {named(data_dir)}, and it cannot be prepared there "
                         f"({e.strerror or e}: {e.filename or data_dir}); ask whoever prepared the shared data to "
                         f"run: {prepare_command(dataset, data_dir)}, or set COURSE_DATA_DIR to a directory of "
                         f"your own") from None

@@ -182,14 +182,15 @@ def add_h5_args(p):
 def require_h5(args) -> None:
     """Lesson 11, before any rank starts: the file exists and holds --dataset (else one line with the command
     that fixes it); with --source memory the in-memory dataset is prepared too.  Sets args.h5_file."""
-    from data_tools.datasets import DataError, default_data_dir, require
+    from data_tools.datasets import DataError, default_data_dir, named, require
 
     data_dir = args.data_dir or default_data_dir()
     args.h5_file = args.h5_file or default_h5_path(args.dataset, data_dir)
     if not args.h5_file.exists():
         default = args.h5_file == default_h5_path(args.dataset, data_dir)
         command = create_command(args.dataset, output=None if default else args.h5_file)
-        raise DataError(f"{args.h5_file} does not exist; create it with: {command}"
+        where = f" (in {named(data_dir)})" if default and not args.data_dir else ""
+        raise DataError(f"{args.h5_file} does not exist{where}; create it with: {command}"
                         + (f" --data-dir {args.data_dir}" if args.data_dir else ""))
     layout = read_layout(args.h5_file)
     if layout.dataset != args.dataset:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from course import cli
-from course.launch import backend_for, how_to_launch, setup_device
+from course.launch import backend_for, check_launch_environment, how_to_launch, setup_device
 from course.output import rank_print
 
 
@@ -50,6 +50,7 @@ def where_am_i():
     On return MASTER_ADDR and MASTER_PORT are in the environment, where init_process_group looks for them.
     course/launch.py does the same for every later lesson.
     """
+    check_launch_environment()  # each variable below a whole number in its range, or one line naming it
     env = os.environ
     if all(k in env for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
         # DIST: torchrun (alone, or one per node under srun) agreed on everything in its rendezvous

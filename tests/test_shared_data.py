@@ -60,5 +60,5 @@ def test_a_read_only_data_dir_without_the_dataset_is_one_line(tmp_path):
     assert result.returncode == 1, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert f"is not prepared in {empty}, and it cannot be prepared there" in lines[0]
+    assert f"is not prepared in {empty} (COURSE_DATA_DIR), and it cannot be prepared there" in lines[0]
     assert "COURSE_DATA_DIR" in lines[0]
