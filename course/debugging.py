@@ -154,7 +154,9 @@ def port(text: str) -> int:
 
 def check_args(args) -> None:
     """Bad input before any rank starts."""
-    if args.bug != "none" and args.nproc < 2 and "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
+    from course.launch import world_size
+
+    if args.bug != "none" and world_size(args) < 2:  # however launched: --nproc, torchrun or an srun step
         raise CourseError(f"--bug {args.bug} needs at least 2 ranks (--nproc 2): with one rank there is no "
                           f"other rank to wait for")
     if args.debug_server and importlib.util.find_spec("jinja2") is None:

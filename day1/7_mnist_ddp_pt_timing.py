@@ -182,7 +182,7 @@ def worker(info, args):
 
 
 def run(args, parser):
-    launcher = detect_launcher()
+    launcher = detect_launcher(args)
     args.asked = args.nproc = timing.world_size_asked(args, parser)  # under torchrun/srun the launcher's wins
     args.nproc = args.nproc or 2
     require(args.dataset, args.data_dir)
