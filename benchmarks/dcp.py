@@ -176,6 +176,11 @@ def _worker(rank, world, cfg):
             "first_process": first_process}
 
 
+def _ratio(a: float, b: float, base: float) -> str:
+    """(a - base) / (b - base), the ratio of two stalls, or why there is none (noise can make one negative)."""
+    return f"{(a - base) / (b - base):.2f}" if a > base and b > base else "n/a (a stall within the noise)"
+
+
 def run(ctx):
     cfg = {"dataset": ctx.dataset, "data_dir": str(ctx.data_dir) if ctx.data_dir else None,
            "width": ctx.pick(32, 256, 512), "depth": ctx.pick(2, 4, 8), "heads": ctx.pick(2, 4, 8),
@@ -202,15 +207,14 @@ def run(ctx):
                 s["sync"] / s["none"], "step without a save (> 1: slower)"),
             Row("dcp", f"{tag} stall per step, dcp.async_save after every step", (s["thread"] - s["none"]) * 1e3,
                 "ms", s["thread"] / s["none"], "step without a save (> 1: slower)",
-                note=f"thread executor (the default); async / sync stall: "
-                     f"{(s['thread'] - s['none']) / max(s['sync'] - s['none'], 1e-9):.2f}"),
+                note=f"thread executor (the default); async / sync stall: {_ratio(s['thread'], s['sync'], s['none'])}"),
             Row("dcp", f"{tag} stall per step, dcp.async_save (process executor) after every step",
                 (s["process"] - s["none"]) * 1e3, "ms", s["process"] / s["none"], "step without a save (> 1: slower)",
-                note=f"process / thread stall: {(s['process'] - s['none']) / max(s['thread'] - s['none'], 1e-9):.2f}; "
-                     f"its first save (starts a process per rank) took {r['first_process']:.1f} s, not counted"),
+                note=f"process / thread stall: {_ratio(s['process'], s['thread'], s['none'])}; its first save "
+                     f"(starts a process per rank) took {r['first_process']:.1f} s, not counted"),
             *(row for kind in ("thread", "process") for row in (
                 Row("dcp", f"{tag} async_save's call until it returns, {kind} executor", r["call"][kind] * 1e3, "ms",
-                    r["call"][kind] / max(s[kind] - s["none"], 1e-9), "its stall per step",
+                    r["call"][kind] / s[kind], "the step with that save (its stall included)",
                     note="median over the saves, slowest rank"),
                 Row("dcp", f"{tag} the copy inside that call (the Writer's stage()), {kind} executor",
                     r["copy"][kind] * 1e3, "ms", r["copy"][kind] / max(r["call"][kind], 1e-9), "the whole call",
