@@ -25,7 +25,8 @@ Lesson 15's FSDP2 loop, with checkpoints that fit it:
   DCP's files nor torch.load carry or check a checksum.  So each rank hashes its share of the newest
   checkpoint's files (every W-th by name) and compares with complete.json; one all_reduce of the verdicts
   tells every rank, before any rank loads, whether all files are intact.  A damaged checkpoint is named
-  (which file) and skipped, and the next newest is tried; with none left, --resume ends with one line.
+  (which file) and skipped, and the next newest is tried; with none left, rank 0 says so in one line and
+  the run ends (exit code 1) before any rank loads.
 - Resume (--resume, at any world size): each rank builds the model and optimizer as usual (its shards for
   W ranks), dcp.load reads the rows its shards need from whichever files hold them (resharding: saved by 4
   ranks, loaded by 2, or the other way round), set_state_dict puts them in place.  The same global batches
@@ -44,8 +45,8 @@ Lesson 15's FSDP2 loop, with checkpoints that fit it:
   The lesson's saves use a gloo process group of their own (collectives of the saver must not mix with the
   training loop's; gloo because the saver works on the CPU copy, also under NCCL), and wait for the
   previous save before the next.  The stall, the time the training loop waits for a save, is measured for
-  every kind, and split into the wait for the previous save and the call itself (get_state_dict and
-  async_save: the copy).
+  every kind, and split into the wait for the previous save, the copy (timed in ckpt.Writer's stage(),
+  which async_save calls) and the rest of the call.
 - --export PATH: one process, no process group: the newest checkpoint whose files all match their digests
   (checked here, all of them); dcp.load(no_dist=True) assembles the whole tensors from all
   ranks' files into the plain ViT's state dict, saved as one ordinary file for inference
