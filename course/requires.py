@@ -2,6 +2,7 @@
 
     python course/requires.py day2/11_mnist_ddp_pt_multinode_streaming.py [the lesson's arguments]
 
+Every lesson calls require(__file__) first, before it imports torch; the launchers run this file once per job.
 Prints nothing and exits 0 when the interpreter has every package the lesson (with these arguments) imports
 and a torch release with what the lesson uses; otherwise one line naming what is missing, the interpreter
 and where it looked, and exit 1.  The Slurm launchers (slurm/lib/job.sh) and multinode_setup_and_run.sh run
@@ -71,6 +72,23 @@ def _absent(module: str) -> bool:
         return True
 
 
+def message(lesson: str, missing: list) -> str:
+    return (f"error: {Path(lesson).name} needs {'; '.join(missing)}: not found by {sys.executable} "
+            f"(looked in {', '.join(p for p in sys.path if p.endswith('-packages')) or 'no site-packages'}); "
+            f"install it there (pip install -r requirements.txt; the course's own venv: ./quickstart.sh), or load "
+            f"the module or environment that has it (on a cluster: in the site profile's site_setup). No rank was "
+            f"started.")
+
+
+def require(lesson_file: str) -> None:
+    """A lesson's first step, before it imports torch: what it needs with the arguments it was given, or one
+    line and exit 1 (a torch without fully_shard would otherwise be an ImportError from the lesson's imports)."""
+    missing = problems(lesson_file, sys.argv[1:])
+    if missing:
+        print(message(lesson_file, missing), file=sys.stderr)
+        raise SystemExit(1)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
@@ -79,10 +97,7 @@ def main(argv=None) -> int:
     lesson, rest = argv[0], argv[1:]
     missing = problems(lesson, rest)
     if missing:
-        print(f"error: {Path(lesson).name} needs {'; '.join(missing)}: not found by {sys.executable} "
-              f"(looked in {', '.join(p for p in sys.path if p.endswith('-packages')) or 'no site-packages'}); "
-              f"install it there (pip install -r requirements.txt), or load the module or environment that has it "
-              f"in the site profile's site_setup. No rank was started.", file=sys.stderr)
+        print(message(lesson, missing), file=sys.stderr)
         return 1
     return 0
 

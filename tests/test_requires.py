@@ -139,3 +139,19 @@ def test_every_package_a_lesson_imports_is_checked_for_it():
         if extra:
             unchecked[script.name] = sorted(extra)
     assert unchecked == {}, f"imported but not checked before the ranks start: {unchecked}"
+
+
+def test_a_day_3_lesson_started_by_hand_on_a_torch_too_old_says_so_in_one_line(tmp_path):
+    """The lesson's own first step (course/requires.py require), before it imports torch: no ImportError from
+    `from torch.distributed.fsdp import fully_shard`, no rank; a day-1 lesson goes on on the same interpreter."""
+    python = python_without(tmp_path, torch_version="2.5.1")
+    done = subprocess.run([python, REPO / "day3" / "15_fsdp2.py", "--nproc", "2", "--quick"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: 15_fsdp2.py needs torch >= 2.6 for "
+                                                                   "torch.distributed.fsdp.fully_shard"), done.stderr
+    assert "this is torch 2.5.1" in done.stderr and done.stdout == ""
+    assert not (tmp_path / "runs").exists()
+    done = subprocess.run([python, REPO / "day1" / "0_torch_dist.py", "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)  # days 1-2 ask for no newer torch
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stdout + done.stderr
