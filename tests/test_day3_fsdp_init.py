@@ -14,9 +14,11 @@ initial weights: lesson 13's DDP builds the whole model under the same seed).
 - fp16, an inf put into rank 1's gradient shard alone at step 2: both ranks skip step 2 and halve the scale
   (65536 -> 32768); rank 0's own shard was finite: DTensor all_reduces GradScaler's found-inf (max).
 - --reduce-dtype bf16 against the default fp32 reduction, both with bf16 compute: different weights
-  (the sums rounded to bf16), both within 0.01 of fp32 FSDP2.
+  (the sums rounded to bf16), both within 0.01 of fp32 FSDP2 (measured 2026-11-26: 5.2e-4 reduced in fp32,
+  5.5e-4 in bf16, relative, after 4 steps).
 - Lesson 16 in fp16: complete.json records GradScaler's state with the position, and a run resumed from
-  step 3 (after the skipped step 2) ends with the uninterrupted run's weights and scaler state.
+  step 3 (after the skipped step 2) ends with the uninterrupted run's weights (bit for bit) and scaler
+  state.  Checked by hand: without the restore the resumed run ends at scale 65536 with 3 good steps counted.
 """
 import json
 import textwrap
