@@ -46,14 +46,14 @@ def add_world_size(p):
     """Lesson 7's world size: a positional argument, as in the original workshop, or --nproc."""
     import argparse
 
-    from course.cli import positive_int
+    from course.cli import NprocGiven, positive_int
 
-    p.add_argument("world_size", nargs="?", type=positive_int, default=None,
+    p.add_argument("world_size", nargs="?", type=positive_int, default=None, action=NprocGiven,
                    help="processes to spawn, as in the original workshop's `python 7_mnist_ddp_pt_timing.py "
                         "4`: the same as --nproc")
-    p.add_argument("--nproc", type=positive_int, default=argparse.SUPPRESS,
-                   help="processes to spawn when started with plain python (ignored under torchrun/srun, "
-                        "which choose the world size) (default: 2)")
+    p.add_argument("--nproc", type=positive_int, default=argparse.SUPPRESS, action=NprocGiven,
+                   help="processes to spawn when started with plain python, also in a one-task srun step "
+                        "(ignored under torchrun; under srun with several tasks they are the ranks) (default: 2)")
     return p
 
 
@@ -76,7 +76,7 @@ def world_size_asked(args, parser):
     are an error, and so is --sweep under a launcher that chose the world size."""
     from course.launch import detect_launcher
 
-    launcher = detect_launcher()
+    launcher = detect_launcher(args)
     if args.sweep and launcher != "self":
         parser.error(f"--sweep starts its own workers; under {launcher} run one world size per call "
                      f"(each call adds a row to the table)")
