@@ -34,6 +34,8 @@ Lesson 15's FSDP2 loop, with checkpoints that fit it:
   The weights then equal the uninterrupted run's up to float rounding: other W, other order of sums.
   --resume if-any resumes when there is a checkpoint and starts a new run when there is none (a job that
   may be submitted again); a checkpoint already at --max-steps leaves nothing to train (one line, exit 0).
+  Under fp16, GradScaler's state (the loss scale and its count of good steps) is recorded in complete.json
+  beside the position in training, and restored with it.
 - --async-save [thread|process]: dcp.async_save (torch 2.14.1) first copies ("stages") this rank's shards
   to CPU memory, and returns once the copy is done (the process executor's first save also broadcasts
   from rank 0 where its processes meet); everything else, dcp.save itself with its planning
@@ -55,6 +57,7 @@ Lesson 15's FSDP2 loop, with checkpoints that fit it:
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line (sharding and
 checkpoints included).
 """
+import math
 import os
 import sys
 import time
@@ -69,6 +72,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -83,6 +87,7 @@ from course.models import add_vit_args, check_vit_args, model_from_args
 from course.output import plot_curves, rank_print, save_weights, write_json
 from course.precision import DTYPES, check_precision
 from course.profiling import add_profile_args, maybe_profile
+from course.sharded_init import init_vit_shards
 from data_tools.datasets import InMemoryMNIST, batches, require
 
 
@@ -95,15 +100,20 @@ def worker(info, args):
     train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
     test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
 
-    model = model_from_args(args, args.seed).to(device)  # the same seed on every rank: the same weights
+    with torch.device("meta"):  # DIST: shapes only, no memory: no rank ever builds the whole model
+        model = model_from_args(args, args.seed)
     mesh = init_device_mesh(device.type, (world_size,))  # DIST: the ranks that share the model, in a row
     dtype = DTYPES[args.precision]
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)  # DIST: gather, compute, reduce in dtype
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=DTYPES[args.reduce_dtype])  # DIST: fp32 sums by default
     for block in model.blocks:  # DIST: one unit per block: gathered just before it runs, freed after
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=args.reshard_after_forward == "true")
     fully_shard(model, mesh=mesh, mp_policy=policy)  # DIST: the root: what no block owns, and the hooks
+    model.to_empty(device=device)  # DIST: memory for this rank's shards only, not yet initialized
+    init_vit_shards(model, args, args.seed)  # DIST: lesson 13's initial weights, made block by block: my rows
     after_forward = memory.watch_after_forward(model)  # parameter bytes held from forward to backward
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    # only fp16 needs loss scaling; disabled, scale() and unscale_() do nothing and step() just steps
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
     directory, position = args.checkpoint_dir, {"step": 0, "epoch": 0, "batches_done": 0}
     chosen = [None, None, []]  # DIST: rank 0 lists the checkpoints and names this run's temporary directories
     if rank == 0:
@@ -122,6 +132,7 @@ def worker(info, args):
         dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=chosen[0])  # DIST: its rows, any W
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)  # DIST: in place
         position = {k: saved[k] for k in position}
+        scaler.load_state_dict(saved.get("scaler", {}))  # fp16: the loss scale reached (disabled: does nothing)
         rank_print(rank, f"resumed from {chosen[0]} (saved by {saved['world_size']} ranks): step {saved['step']}")
     saver = dist.new_group(backend="gloo") if args.async_save else None  # DIST: the async saver's own group
     saves = ckpt.Saves(rank, args.keep, chosen)
@@ -130,7 +141,8 @@ def worker(info, args):
         saves.begin()  # the clock starts; an async save still running: wait for it (rank 0 publishes it)
         model_sd, optim_sd = get_state_dict(model, optimizer)  # DIST: this rank's shards, keyed by name
         state, tmp = {"model": model_sd, "optimizer": optim_sd}, ckpt.temporary(directory, step, chosen[1])
-        info = {**ckpt.settings(args, world_size), "step": step, "epoch": epoch, "batches_done": batches_done}
+        info = {**ckpt.settings(args, world_size), "step": step, "epoch": epoch, "batches_done": batches_done,
+                "scaler": scaler.state_dict()}  # fp16: the loss scale and its count of good steps, in complete.json
         if args.async_save:  # DIST: copies the shards to CPU memory, returns; saves in a thread or a process
             kind = dcp.state_dict_saver.AsyncCheckpointerType(args.async_save)  # over `saver`, planning included
             saves.started(dcp.async_save(state, storage_writer=ckpt.Writer(tmp), process_group=saver,
@@ -145,7 +157,7 @@ def worker(info, args):
     else:  # the same batches, each gathered from the in-memory tensors at once (data_tools/datasets.py)
         loader = batches(train_set, sampler, args.batch_size)
     prof = maybe_profile(args, rank, device)  # --profile: lesson 5's traces and TensorBoard scalars
-    losses, norms, step, start = [], [], position["step"], time.perf_counter()
+    losses, norms, skipped, step, start = [], [], [], position["step"], time.perf_counter()
     for epoch in range(position["epoch"], args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
         done = position["batches_done"] if epoch == position["epoch"] else 0  # global batches already trained
@@ -154,9 +166,19 @@ def worker(info, args):
                 continue
             loss = F.cross_entropy(model(x).float(), y)  # DIST: each block all_gathered as it runs; fp32 loss
             optimizer.zero_grad()
-            loss.backward()  # DDP: each block's gradients reduce_scattered: this rank gets its rows' average
+            scaler.scale(loss).backward()  # DDP: each block's gradients reduce_scattered: my rows' average
+            mine = (step + 1, rank) == (args.overflow_at, args.overflow_rank)
+            if mine:  # an inf in this rank's shard alone: the other ranks' shards stay finite
+                model.blocks[0].qkv.weight.grad.to_local()[0, 0] = math.inf
+            scaler.unscale_(optimizer)  # the true gradients, so that clipping sees their real norm
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
-            optimizer.step()  # updates this rank's shards only
+            scale = scaler.get_scale()
+            scaler.step(optimizer)  # updates this rank's shards; skipped on every rank if any rank's had inf/NaN
+            scaler.update()  # halves the scale after a skipped step, doubles it after 2000 good ones
+            if scaler.get_scale() < scale:
+                skipped.append(step + 1)
+                rank_print(rank, f"step {step + 1} skipped (inf/NaN gradients; an inf put in my shard: {mine}); "
+                                 f"loss scale {scale:g} -> {scaler.get_scale():g}")
             losses.append(loss.detach())
             norms.append(norm.full_tensor().detach())  # DIST: a DTensor holding the same norm on every rank
             step += 1
@@ -181,7 +203,8 @@ def worker(info, args):
     rank_print(rank, f"steps {position['step'] + 1} to {step} ({step - position['step']} steps) in {seconds:.1f} s "
                      f"(this rank's shard: {len(sampler)} samples per epoch)")
     per_rank = memory.gather(rank, model, optimizer, after_forward)  # DIST: what every rank holds, in bytes
-    full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}  # DIST: all_gathers, all ranks
+    # DIST: the whole weights for model.pt, all_gathered one tensor at a time, kept by rank 0 alone on the CPU
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     losses = torch.stack(losses)
     dist.all_reduce(losses)  # DIST: the loss of each global batch, averaged over ranks (one call at the end)
     losses = (losses / world_size).tolist()
@@ -193,7 +216,7 @@ def worker(info, args):
             "lesson": "16_distributed_checkpoint", "dataset": args.dataset, "model": args.model,
             "precision": args.precision, "world_size": world_size, "backend": dist.get_backend(),
             "batch_size": args.batch_size, "global_batch_size": global_batch, "lr": args.lr,
-            "epochs": args.epochs, "steps": step, "planned": args.planned,
+            "epochs": args.epochs, "steps": step, "skipped_steps": skipped, "planned": args.planned,
             "reshard_after_forward": args.reshard_after_forward, "per_rank_bytes": per_rank,
             "samples_seen": samples, "train_seconds": seconds, "samples_per_second": samples / seconds,
             "test_accuracy": accuracy, "test_loss": test_loss, "loss_per_step": losses,
@@ -214,10 +237,15 @@ def build_parser():
     p = cli.add_loader(cli.add_distributed(cli.parser(__doc__, "day3/16_distributed_checkpoint.py", nproc_default=2)))
     p.add_argument("--reshard-after-forward", default="true", choices=("true", "false"),
                    help="true: free a block's gathered parameters after its forward (ZeRO-3); false: keep them")
-    p.add_argument("--precision", default="fp32", choices=("bf16", "fp32"),
-                   help="the dtype parameters are gathered and computed in, and gradients reduced in")
+    p.add_argument("--precision", default="fp32", choices=sorted(DTYPES),
+                   help="the dtype parameters are gathered and computed in; fp16 adds GradScaler")
+    p.add_argument("--reduce-dtype", default="fp32", choices=sorted(DTYPES),
+                   help="the dtype gradients are reduce_scattered in (bf16: half the bytes, sums rounded)")
     p.add_argument("--clip-grad-norm", type=cli.positive_float, default=1.0,
                    help="clip the gradients' total norm to this")
+    p.add_argument("--overflow-at", type=cli.positive_int, default=None, metavar="STEP",
+                   help="put an inf into one rank's gradient shard at this step, to watch every rank skip it (fp16)")
+    p.add_argument("--overflow-rank", type=cli.non_negative_int, default=1, help="the rank of --overflow-at")
     return ckpt.add_args(memory.add_budget_arg(add_profile_args(add_vit_args(p, width=128)), default_mb=4.0))
 
 

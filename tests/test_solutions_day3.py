@@ -257,3 +257,25 @@ def test_17_2_sigusr1_prints_every_ranks_stack(tmp_path, dataset):
 def test_17_3_detail_names_both_shapes(tmp_path):
     out = run_solution("17_debugging_hangs", 3, tmp_path, check=False, timeout=60).stdout
     assert "TensorShape=[4]" in out and "TensorShape=[5]" in out and out.count("Detected mismatch") == 2, out
+
+
+@solution("15_fsdp2", 4)
+@pytest.mark.slow
+def test_15_4_accumulation_under_fsdp2_trains_what_one_larger_batch_trains(tmp_path, dataset):
+    import textwrap
+
+    old = ("            loss = F.cross_entropy(model(x).float(), y)  # DIST: each block all_gathered as it runs; fp32 loss\n"
+           "            optimizer.zero_grad()\n"
+           "            scaler.scale(loss).backward()  # DDP: each block's gradients reduce_scattered: my rows' average\n")
+    source = (REPO / "day3/15_fsdp2.py").read_text()
+    new = re.search(r"```python\n(.*?)```", sections("15_fsdp2")[4], re.S).group(1)
+    assert source.count(old) == 1 and "set_requires_gradient_sync(i == 3)" in new
+    edited, plain = commands("15_fsdp2", 4)
+    run_edited(edited, tmp_path, "day3/15_fsdp2_accumulate.py", source.replace(old, textwrap.indent(new, " " * 12)))
+    run_solution("15_fsdp2", 4, tmp_path, line=1)
+    a, b = metrics(tmp_path / "solutions/15-accumulate"), metrics(tmp_path / "solutions/15-batch64")
+    assert a["steps"] == b["steps"] == 4 and a["global_batch_size"] == b["global_batch_size"] == 128
+    rel = max_rel_diff(weights(tmp_path / "solutions/15-accumulate/model.pt"),
+                       weights(tmp_path / "solutions/15-batch64/model.pt"))
+    print(f"4 micro-batches of 16 against batches of 64: largest relative weight difference {rel:.3g}")
+    assert rel < 1e-5, rel

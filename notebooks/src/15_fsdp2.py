@@ -11,6 +11,13 @@
 #   (`init_device_mesh("cpu", (W,))` with gloo here, `"cuda"` with NCCL on GPUs). Every parameter becomes a
 #   **DTensor sharded on dim 0**: rank r stores its rows (`p.to_local()`). Its gradient and its momentum
 #   buffer are sharded the same way, because the optimizer only ever sees the shards.
+# - **Built on the meta device**: under `torch.device("meta")` the model has shapes but no memory;
+#   `fully_shard` shards it, and `model.to_empty(device=...)` allocates this rank's shards alone. No rank ever
+#   holds the whole model, which is the point for a model that does not fit one GPU. The shards then get
+#   lesson 13's initial weights: every rank makes the model again on the CPU one part at a time (embedding,
+#   one block, the next block, ...) under the same seed and keeps only its own rows of each
+#   (`course/sharded_init.py`). `reset_parameters()` on the shards would not do: each rank would draw its rows
+#   from its own random generator, not the rows a whole model gets.
 # - **Forward**: before a block runs, its shards are **all_gathered** into whole parameters; after it they
 #   are freed again (`reshard_after_forward=True`, ZeRO-3) or kept until backward (`False`, ZeRO-2).
 # - **Backward**: each block's gradients are **reduce_scattered**: every rank receives the average of its
@@ -60,9 +67,13 @@ md(f"{plans[1]['parameters']:,} parameters: DDP needs {plans[2]['ddp'] / MB:.2f}
 # ## What changed against lesson 13
 #
 # DDP's wrapper is gone; `init_device_mesh`, a `MixedPrecisionPolicy` and `fully_shard` per block and on the
-# root take its place. The GradScaler and `--overflow-at` are gone too (the lesson offers fp32 and bf16; see
-# its docstring for why fp16 is left out), and so is lesson 13's `--compile`. At the end the ranks count their bytes and gather the whole weights once to save
-# one ordinary file.
+# root take its place, on a model built on the meta device (`to_empty`, then `init_vit_shards`). The
+# policy computes in `--precision` and reduce_scatters the gradients in fp32 unless `--reduce-dtype` says
+# otherwise. The GradScaler stays for fp16 and works on shards: each rank checks only its own shards for
+# inf/NaN, and torch all_reduces that finding across the ranks, so `--overflow-at` now puts an inf into one
+# rank's shard alone and every rank still skips the step. Lesson 13's `--compile` is gone. At the end the
+# ranks count their bytes, and `get_model_state_dict` gathers the whole weights one tensor at a time onto
+# rank 0's CPU, the only place that needs them (it writes model.pt).
 
 # %%
 show_diff("day3/13_mixed_precision.py", "day3/15_fsdp2.py")
@@ -220,5 +231,11 @@ except subprocess.CalledProcessError as e:
 #    lr=1e-3)`: each rank's optimizer state doubles (two moments per parameter), the fullest rank holds 4.13
 #    MB, over the 4 MB budget that the check before the run (which counts SGD's one state per parameter)
 #    let through, and DDP's replica would be 8.24 MB.
+# 4. In a copy of the script, accumulate 4 micro-batches per step with
+#    `model.set_requires_gradient_sync(i == 3)` before each one's forward and the loss divided by 4 (the
+#    solution shows the five lines), and run it with `--batch-size 64` next to the lesson with the same
+#    batches in one piece: the same weights up to float rounding, with each block's gradients
+#    reduce_scattered once per step instead of 4 times; between micro-batches every rank holds whole
+#    gradients again.
 #
 # Next: [lesson 16](16_distributed_checkpoint.ipynb): distributed checkpoints.
