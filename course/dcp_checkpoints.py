@@ -51,7 +51,7 @@ FORMAT = "16_distributed_checkpoint/2"  # /2: complete.json records every file's
 # A checkpoint belongs to one model: these must agree to load it (DCP reshards, it does not reshape)
 MODEL = ("model", "patch", "width", "depth", "heads")
 # and to one training run: the same global batches in the same order
-RUN = ("dataset", "lr", "seed", "train_samples", "clip_grad_norm", "precision")
+RUN = ("dataset", "lr", "seed", "train_samples", "clip_grad_norm", "precision", "reduce_dtype")
 
 
 def final_dirs(directory: Path) -> list:
