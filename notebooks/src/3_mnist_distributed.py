@@ -92,7 +92,7 @@ from course.output import load_weights
 
 single = read_json(RUN / "nproc1" / "metrics.json")
 slowest, alone = max(seconds[NPROC]), seconds[1][0]
-ranks_w, single_w = load_weights(RUN / "model.pt"), load_weights(RUN / "nproc1" / "model.pt")
+ranks_w, single_w = load_weights(REPO / RUN / "model.pt"), load_weights(REPO / RUN / "nproc1" / "model.pt")
 diff = max((ranks_w[k] - single_w[k]).abs().max().item() for k in ranks_w)
 largest = max(w.abs().max().item() for w in ranks_w.values())
 threads = {n: int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // n)
