@@ -140,7 +140,7 @@ def parse(p: Parser, argv=None) -> argparse.Namespace:
     if log_dir is not None and (getattr(args, "profile", True) or getattr(args, "watch_hardware", False)):
         problem = unwritable(log_dir)
         if problem:
-            p.exit(2, f"{p.prog}: error: log dir {log_dir} cannot be written ({problem}); "
+            p.exit(1, f"{p.prog}: error: log dir {log_dir} cannot be written ({problem}); "
                       f"choose another with --log-dir\n")
     run_dir = getattr(args, "run_dir", None)
     if run_dir is not None:

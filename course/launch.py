@@ -57,7 +57,7 @@ LAUNCH_VARIABLES = {  # the sizes first: a rank's range is read from them
     "LOCAL_WORLD_SIZE": ("torchrun", 1, None), "GROUP_RANK": ("torchrun", 0, None),
     "SLURM_PROCID": ("srun", 0, "SLURM_STEP_NUM_TASKS"),
     "SLURM_LOCALID": ("srun", 0, None), "SLURM_NODEID": ("srun", 0, None), "SLURM_JOB_ID": ("Slurm", 0, None),
-    "MASTER_PORT": ("the launcher, or you", 1, None), "OMP_NUM_THREADS": ("you or the launcher", 1, None),
+    "MASTER_PORT": ("the launcher, or you", 0, None), "OMP_NUM_THREADS": ("you or the launcher", 1, None),
 }
 
 
