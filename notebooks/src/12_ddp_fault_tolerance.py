@@ -122,12 +122,13 @@ from course.output import load_weights
 
 resumed, reference = read_json(RUN / "metrics.json"), read_json(REFERENCE / "metrics.json")
 fig, ax = plt.subplots()
-ax.plot(reference["loss_per_step"], lw=4, alpha=0.4, label="never stopped")
-ax.plot(resumed["loss_per_step"], lw=1, label="stopped, then resumed")
+steps = range(1, len(reference["loss_per_step"]) + 1)  # step 1 is the first step's loss
+ax.plot(steps, reference["loss_per_step"], lw=4, alpha=0.4, label="never stopped")
+ax.plot(range(1, len(resumed["loss_per_step"]) + 1), resumed["loss_per_step"], lw=1, label="stopped, then resumed")
 for stop in resumed["stops"]:
-    ax.axvline(stop["step"], color="crimson", ls="--")
+    ax.axvline(stop["step"] + 0.5, color="crimson", ls="--")  # after the stop's step, before the next
     ax.text(stop["step"], ax.get_ylim()[1], f" stop: {', '.join(stop['signals'].values())} to rank "
-            f"{', '.join(map(str, stop['signals']))}\n resumed at step {stop['step']}", va="top", fontsize=8,
+            f"{', '.join(map(str, stop['signals']))}\n after step {stop['step']}, resumed at step {stop['step'] + 1}", va="top", fontsize=8,
             color="crimson")
 ax.set(xlabel="step", ylabel="training loss (mean over ranks)", title="one training run, in two jobs")
 ax.legend(loc="center right")

@@ -81,8 +81,8 @@ md(f"One `.distcp` file per rank, each written by its own rank at the same time:
    f"{max(shards):,} bytes, for the {min(held):,} to {max(held):,} bytes of weights and momentum each rank "
    f"holds. The difference, {extra / 1000:.0f} kB per file, is a fixed cost per tensor: DCP writes each of "
    f"the rank's {2 * tensors} tensors (weights and momentum) with a header of its own. With this small ViT that "
-   f"is most of the file; with the lesson's default model (width 128) each file is about a quarter of "
-   f"the whole state plus the same headers. `.metadata` says where every row is; `complete.json`, written "
+   f"is most of the file; with the lesson's default model (width 128, depth 4) each file is about a quarter of "
+   f"the whole state plus the headers of its tensors (about twice as many). `.metadata` says where every row is; `complete.json`, written "
    f"last, lists every file with its size and sha256, and records the sha256 of its own content.")
 
 # %% [markdown]
@@ -183,7 +183,7 @@ md(f"Per save the loop waited {1000 * sum(sync) / len(sync):.0f} ms with `dcp.sa
    f"{1000 * (sum(rb['save_call_seconds']) - sum(rb['save_copy_seconds'])) / len(asyn):.0f} ms to the rest of "
    f"`get_state_dict` and the call, and {1000 * sum(rb['save_wait_seconds']) / len(asyn):.0f} ms to waiting "
    f"for the previous save. This "
-   f"checkpoint is small ({sum(shards) / 1e6:.2f} MB over all ranks' files) and this machine has 2 CPU "
+   f"checkpoint is small ({sum(f.stat().st_size for f in sorted((REPO / RUN / 'ckpt-sync').glob('step-*'))[-1].glob('__*.distcp')) / 1e6:.2f} MB over both ranks' files) and this machine has 2 CPU "
    f"cores: the background thread, which plans with the other ranks, writes and hashes, competes with "
    f"training for the same cores and for Python's interpreter lock. The resumed runs took "
    f"{per_step['2 ranks, resumed (sync saves)']:.2f} s per step with `dcp.save` and "
@@ -223,7 +223,9 @@ for weights in (state, trained):
         predictions.append(model.eval()(test_set.images).argmax(1))
 agree = (predictions[0] == predictions[1]).float().mean().item()
 identical = all(torch.equal(state[k], trained[k]) for k in trained)
-md(f"The exported file holds {len(state)} tensors, {exported.stat().st_size / 1e6:.2f} MB; they are "
+md(f"The exported file holds {len(state)} tensors, "
+   f"{sum(v.numel() * v.element_size() for v in state.values()) / 2 ** 20:.3f} MB of weights (a "
+   f"{exported.stat().st_size / 1e6:.2f} MB file with torch.save's headers); they are "
    + ("bit for bit the weights the resumed run gathered at its end. " if identical else "not the run's weights. ")
    + f"One process with that file predicts the same class as the run's own model for {agree:.2%} of the "
    f"{len(test_set.labels):,} test images (test accuracy {(predictions[0] == test_set.labels).float().mean():.4f}, "

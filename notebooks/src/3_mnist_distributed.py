@@ -102,8 +102,8 @@ md(f"Here the slowest of the {NPROC} ranks trained for {slowest:.2f} s and the s
    + (f"Per step of {m['batch_size']} samples, each of {NPROC} processes x {threads[NPROC]} thread(s) took "
       f"{slowest / m['steps'] * 1000:.2f} ms against {alone / m['steps'] * 1000:.2f} ms for 1 process x "
       f"{threads[1]} thread(s): together {NPROC * alone / slowest:.2f}x the work of one process in the same time, "
-      f"from the same cores. Lesson 7 measures this split again (its 'splitting the cores into ranks'), with "
-      f"the gradients' all_reduce on top. " if DEVICE else "")
+      f"from the same cores. Lesson 7 measures this split again, on a step's work without the gradients' "
+      f"all_reduce (its 'splitting the cores into ranks'). " if DEVICE else "")
    + ("The single process ended with exactly the ranks' weights." if diff == 0 else
       f"The single process's weights differ from the ranks' by at most {diff:.1e} (the largest weight is "
       f"{largest:.2f}): it ran on more threads, which add up the same numbers in a different order."))

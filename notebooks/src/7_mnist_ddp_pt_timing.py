@@ -95,8 +95,8 @@ for r in table:  # keep a record of these rows (the same configuration runs in o
 #
 # Each bar stacks the three parts of a step, timed before training (medians); the black line over it is
 # the mean step the training then took (the dotted line: its median step; the mean is what samples/s and
-# the speed-up are made of). Where the bar reaches the line, the parts account for the step and
-# the prediction can be trusted; where the communication part is as large as the work saved by splitting
+# the speed-up are made of). Where the bars of both world sizes reach their lines, the parts account for
+# the steps and the prediction can be trusted; where the communication part is as large as the work saved by splitting
 # the batch, more ranks cannot pay off.
 
 # %%
