@@ -17,6 +17,28 @@ from pathlib import Path
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome")
 
 
+def scalar_chart_points(tag: str) -> str:
+    """JavaScript giving the number of points TensorBoard's legacy Scalars page draws for `tag`: it renders
+    each tag in a <tf-scalar-card> (Polymer, shadow DOM) whose Plottable chart draws the run's curve as an SVG
+    <path class="line">; 0 while the card is not there."""
+    return r"""
+(() => {
+  const deep = (root, sel, out = []) => {
+    for (const el of root.querySelectorAll('*')) {
+      if (el.matches(sel)) out.push(el);
+      if (el.shadowRoot) deep(el.shadowRoot, sel, out);
+    }
+    return out;
+  };
+  const card = deep(document, 'tf-scalar-card').find(c => c.tag === 'TAG');
+  if (!card) return 0;
+  const points = deep(card.shadowRoot || card, 'path.line')
+    .map(p => (p.getAttribute('d') || '').split(/[ML]/).length - 1);
+  return Math.max(0, ...points);
+})()
+""".replace("TAG", tag)
+
+
 def find_chromium():
     for name in CANDIDATES:
         path = shutil.which(name)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, lesson, require_chromium
-from headless_chromium import Chromium
+from headless_chromium import Chromium, scalar_chart_points
 from tensorboard_server import PROFILER_API, tensorboard
 
 pytestmark = pytest.mark.slow
@@ -60,24 +60,7 @@ def test_tensorboard_shows_the_ranks_and_the_communication(served):
     assert {"train/loss_rank0", "perf/samples_per_second"} <= tb.json("/data/plugin/scalars/tags")["."].keys()
 
 
-# The legacy Scalars page renders each tag in a <tf-scalar-card> (Polymer, shadow DOM) whose Plottable chart
-# draws the run's curve as an SVG <path class="line">: count that path's points.
-LOSS_CHART_POINTS = r"""
-(() => {
-  const deep = (root, sel, out = []) => {
-    for (const el of root.querySelectorAll('*')) {
-      if (el.matches(sel)) out.push(el);
-      if (el.shadowRoot) deep(el.shadowRoot, sel, out);
-    }
-    return out;
-  };
-  const card = deep(document, 'tf-scalar-card').find(c => c.tag === 'train/loss_rank0');
-  if (!card) return 0;
-  const points = deep(card.shadowRoot || card, 'path.line')
-    .map(p => (p.getAttribute('d') || '').split(/[ML]/).length - 1);
-  return Math.max(0, ...points);
-})()
-"""
+LOSS_CHART_POINTS = scalar_chart_points("train/loss_rank0")  # points of the loss curve on the Scalars page
 
 
 @pytest.mark.browser

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, REPO, require_chromium
-from headless_chromium import Chromium
+from headless_chromium import Chromium, scalar_chart_points
 
 pytestmark = pytest.mark.slow
 NOBODY = 65534
@@ -118,22 +118,7 @@ def test_only_the_owner_can_reach_the_private_tensorboard(private_tensorboard):
     assert reached.returncode == 0, reached.stderr
 
 
-CHART_POINTS = r"""
-(() => {
-  const deep = (root, sel, out = []) => {
-    for (const el of root.querySelectorAll('*')) {
-      if (el.matches(sel)) out.push(el);
-      if (el.shadowRoot) deep(el.shadowRoot, sel, out);
-    }
-    return out;
-  };
-  const card = deep(document, 'tf-scalar-card').find(c => c.tag === 'TAG');
-  if (!card) return 0;
-  const points = deep(card.shadowRoot || card, 'path.line')
-    .map(p => (p.getAttribute('d') || '').split(/[ML]/).length - 1);
-  return Math.max(0, ...points);
-})()
-""".replace("TAG", TAG)
+CHART_POINTS = scalar_chart_points(TAG)
 
 
 @pytest.mark.browser
