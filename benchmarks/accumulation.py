@@ -35,6 +35,16 @@ KS = (1, 2, 4)
 MICRO_BATCH = 32
 
 
+def checkpointed_vit(width: int, depth: int, device, checkpointed: bool):
+    """Lesson 14's ViT (seed 0) and its SGD optimizer, each block under activation checkpointing if asked."""
+    torch.manual_seed(0)
+    model = ViT(7, width, depth, 4 if width % 4 == 0 else 2).to(device)
+    if checkpointed:  # as lesson 14 does it
+        for block in model.blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
 def _accumulation_worker(rank, world, cfg):
     ds = InMemoryMNIST(cfg["dataset"], "train", cfg["data_dir"], limit=cfg["limit"])
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0)
@@ -81,12 +91,7 @@ def _checkpointing(ctx, depth: int, device: torch.device) -> dict:
     width = ctx.pick(32, 64, 64)
     out, fns = {}, {}
     for checkpointed in (False, True):
-        torch.manual_seed(0)
-        model = ViT(7, width, depth, 4 if width % 4 == 0 else 2).to(device)
-        if checkpointed:  # as lesson 14 does it
-            for block in model.blocks:
-                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        model, optimizer = checkpointed_vit(width, depth, device, checkpointed)
         meter = Meter(model, device, checkpointed)
 
         def step(model=model, optimizer=optimizer, meter=meter):

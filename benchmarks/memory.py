@@ -15,19 +15,17 @@
   all_gather's output buffer, a block's whole gradients before their reduce_scatter, the root's parameters
   kept from forward to backward), so it approaches 1/W of DDP's only when the model has many blocks.
 """
-import functools
 import itertools
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 from torch.utils.data.distributed import DistributedSampler
 
+from benchmarks.accumulation import checkpointed_vit
 from benchmarks.common import Row, spawn
 from benchmarks.fsdp import build
 from course.memory import MB, StepPeak
-from course.models import ViT
 from data_tools.datasets import InMemoryMNIST, batches
 
 STEPS = 3  # StepPeak measures the third
@@ -38,12 +36,7 @@ def _checkpointing(ctx, depth: int, width: int, device: torch.device) -> dict:
     x, y = ds.images, ds.labels
     out = {}
     for checkpointed in (False, True):
-        torch.manual_seed(0)
-        model = ViT(7, width, depth, 4 if width % 4 == 0 else 2).to(device)
-        if checkpointed:  # as lesson 14 does it
-            for block in model.blocks:
-                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        model, optimizer = checkpointed_vit(width, depth, device, checkpointed)
         peak = StepPeak(model, optimizer, device)
         for _ in range(STEPS):  # lesson 14's order: zero_grad, forward, backward, step
             optimizer.zero_grad()
