@@ -126,21 +126,24 @@ if [[ -z "$MASTER_ADDR" ]]; then
 fi
 if [[ -z "${MASTER_PORT:-}" ]]; then
     MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))   # the formula of course/ports.py: all ranks agree
-    # Check it on the node where rank 0 will listen (not here: salloc's shell runs on the login node);
-    # if another job holds it, take the next free one.
+    # Check it on the node where rank 0 will listen (not here: salloc's shell runs on the login node).  As the
+    # lesson's own check (course/ports.py): a port left in TIME_WAIT by this job's previous step is free.  If a
+    # live listener holds it, the kernel picks a free port from its ephemeral range (above 32767 as Linux
+    # ships): never 10000..29999, where other jobs' derived ports are.
     MASTER_PORT="$(srun --nodes=1 --ntasks=1 --nodelist="$MASTER_ADDR" --kill-on-bad-exit=1 "$PYTHON" -c '
 import socket, sys
-first = int(sys.argv[1])
-for port in range(first, first + 50):
+derived = int(sys.argv[1])
+with socket.socket() as s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        with socket.socket() as s:
-            s.bind(("", port))
-        print(port)
-        break
+        s.bind(("", derived))
+        print(derived)
+        sys.exit()
     except OSError:
-        print(f"port {port} is in use on {socket.gethostname()}", file=sys.stderr)
-else:
-    sys.exit(f"no free port in {first}..{first + 49} on {socket.gethostname()}; export MASTER_PORT=<free port>")
+        print(f"port {derived} is in use on {socket.gethostname()}; the kernel picks a free one", file=sys.stderr)
+with socket.socket() as s:
+    s.bind(("", 0))
+    print(s.getsockname()[1])
 ' "$MASTER_PORT")"
 fi
 export MASTER_ADDR MASTER_PORT

@@ -107,7 +107,7 @@ def test_the_script_moves_on_when_the_derived_port_is_taken(slurm_cluster):
     derived = int(re.search(r"derived port (\d+)", output).group(1))
     chosen = int(re.search(r"rank 0 at node1:(\d+)", output).group(1))
     assert f"port {derived} is in use on node1" in output
-    assert chosen > derived
+    assert not 10_000 <= chosen < 30_000  # the kernel's pick: never another job's derived port
     probes = sorted(line.split()[1:] for line in output.splitlines() if line.startswith("probe "))
     assert probes == [[str(r), "node1", str(chosen)] for r in range(4)]  # every rank got the same address
 

@@ -60,6 +60,10 @@ def test_the_readiness_check_passes_on_a_ready_cluster_and_reports_its_bandwidth
     # the table of sizes, nccl-tests' columns, up to READINESS_MAX_MIB
     assert re.search(r"^\s+4194304\s+[\d.]+\s+[\d.]+\s+[\d.]+$", log, flags=re.M), log
     assert "all_reduce(SUM) = 10, mean = 2.5" in log  # lesson 9 on 4 ranks
+    # Every step of the job listens on the job's derived port: the previous step's port, left in TIME_WAIT, is
+    # free to listen on, and no step walks into the next job's derived port (both jobs run at once here).
+    ports = set(re.findall(r"rank 0 at node1:(\d+)", log))
+    assert len(ports) == 1 and "is in use" not in log, log
 
 
 def test_a_cluster_without_the_data_is_not_ready_and_the_verdict_says_what_to_fix(checks):
