@@ -138,3 +138,23 @@ def test_buckets_follow_the_cap_after_the_first_step_as_the_guide_on_profiling_s
     assert cnn.startswith("[[177704], [") and all(len(s) == 3 and sum(s) == 177704 for s in ast.literal_eval(cnn)[1:]), out
     page = (REPO / "docs/learners/profiling.md").read_text()
     assert "5 672 bytes" in page and "401 408 bytes" in page and "three buckets at 0.01 MB" in page
+
+
+# ------------------------------------------------------------------------------------------ quoted lines
+
+QUOTED_LINE = re.compile(r"(day\d/)?(\d+_\w+\.py)(?:\", line |:)(\d+)")
+
+
+def test_a_line_of_a_lesson_quoted_in_the_docs_is_a_collective_of_that_lesson():
+    """Pages and notebooks quote where lesson 17's ranks stood ("17_debugging_hangs.py:152", a stack's
+    'File ".../17_debugging_hangs.py", line 152'): each such line of the lesson as it is now must hold a
+    collective or a backward (what a rank waits in), so that an edit above it cannot leave the quote behind."""
+    texts = {p: p.read_text() for p in [*REPO.glob("docs/**/*.md"), *REPO.glob("solutions/*.md"),
+                                          *REPO.glob("notebooks/src/*.py"), REPO / "README.md"]}
+    quoted = [(p, m) for p, t in texts.items() for m in QUOTED_LINE.finditer(t)]
+    assert any(m.group(2) == "17_debugging_hangs.py" for _, m in quoted)  # the pages still quote lesson 17
+    for page, m in quoted:
+        lesson = next(REPO.glob(f"day*/{m.group(2)}"))
+        line = lesson.read_text().splitlines()[int(m.group(3)) - 1]
+        assert re.search(r"dist\.\w+\(|\.backward\(", line), \
+            f"{page.relative_to(REPO)} quotes {m.group(0)}, which is now: {line.strip()!r}"
