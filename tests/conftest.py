@@ -144,21 +144,22 @@ def dataset():
 
 # ------------------------------------------------------------------------- where the suite's time goes
 
-# The test files that take longest, longest first (worker-seconds of a whole run with two workers, 2-core
-# machine, 2026-11-25): run_tests.sh hands whole files to the workers in collection order
-# (--dist loadfile --no-loadscope-reorder), and starting the long ones first keeps every worker busy to the
+# The test files that take longest, longest first (worker-seconds of a whole run with three workers, 2-core
+# machine, 2026-11-26, a clean clone under CI=true): run_tests.sh hands whole files to the workers in collection
+# order (--dist loadfile --no-loadscope-reorder), and starting the long ones first keeps every worker busy to the
 # end instead of leaving one long file running alone at the end.  The other files follow in their usual order.
 LONGEST_FIRST = [
-    "test_solutions_day1.py",  # 363 s
-    "test_solutions_day3.py",  # 361
-    "test_fault_tolerance.py",  # 334
-    "test_faults.py",  # 288
-    "test_slurm_launchers.py",  # 272
-    "test_day1_lessons.py",  # 261
-    "test_solutions_day2.py",  # 164
-    "test_day2_slurm.py",  # 121
-    "test_lesson8_lr.py",  # 116
-    "test_day3_fsdp.py", "test_benchmark.py", "test_day3_hangs.py", "test_day3_dcp.py",  # 104-106
+    "test_solutions_day3.py",  # 834 s
+    "test_solutions_day1.py",  # 498
+    "test_faults.py",  # 406
+    "test_fault_tolerance.py",  # 370
+    "test_day1_lessons.py",  # 362
+    "test_slurm_launchers.py",  # 301
+    "test_solutions_day2.py",  # 279
+    "test_day3_fsdp_init.py",  # 277
+    "test_day2_slurm.py",  # 273
+    "test_benchmark.py", "test_day3_dcp.py", "test_profile_tensorboard.py", "test_day3_precision.py",  # 198-174
+    "test_day3_fsdp.py", "test_day3_hangs.py",  # 172-155
 ]
 
 
