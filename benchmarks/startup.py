@@ -1,7 +1,8 @@
 """Section 5: fixed costs: launching N ranks and initializing their process group, per launcher.
 
-benchmarks/startup_probe.py is launched as a lesson is (course.launch: ranks forked from a fork server, or
-each spawned as a fresh interpreter with COURSE_START_METHOD=spawn; or torchrun) and records when each rank
+benchmarks/startup_probe.py is launched as a lesson is (course.launch: ranks forked from the launching process,
+the default where no GPU is visible; from a fork server, the default on a GPU node; each spawned as a fresh
+interpreter with COURSE_START_METHOD=spawn; or torchrun) and records when each rank
 started, imported torch, entered worker(), and got through init_process_group and a first barrier.  Times
 are from the moment the launch command was started (wall clock; one machine).
 """
@@ -19,11 +20,12 @@ PROBE = REPO / "benchmarks" / "startup_probe.py"
 
 
 # the launcher as the table names it; "self (spawn)" is `COURSE_START_METHOD=spawn python lesson.py --nproc N`
-LAUNCHERS = {"self": "self (fork server)", "spawn": "self (spawn)", "torchrun": "torchrun"}
+LAUNCHERS = {"fork": "self (fork)", "forkserver": "self (fork server)", "spawn": "self (spawn)",
+             "torchrun": "torchrun"}
 
 
 def launch_command(launcher: str, nproc: int, out: Path) -> list:
-    if launcher in ("self", "spawn"):
+    if launcher in ("fork", "forkserver", "spawn"):
         return [sys.executable, str(PROBE), "--nproc", str(nproc), "--out", str(out)]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -35,7 +37,7 @@ def measure(launcher: str, nproc: int, timeout: float = 300) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         out = Path(tmp) / "times.json"
         start = time.time()
-        env = dict(os.environ, COURSE_START_METHOD="spawn") if launcher == "spawn" else \
+        env = dict(os.environ, COURSE_START_METHOD=launcher) if launcher != "torchrun" else \
             {k: v for k, v in os.environ.items() if k != "COURSE_START_METHOD"}
         proc = subprocess.run(launch_command(launcher, nproc, out), capture_output=True, text=True,
                               timeout=timeout, env=env)
@@ -65,8 +67,10 @@ def run(ctx):
     rows = []
     for (launcher, nproc), m in best.items():
         tag = f"{LAUNCHERS[launcher]}, {nproc} ranks:"
-        imported = f"import torch {m['import']:.2f} s per rank (the fork server imported it once)" \
-            if launcher == "self" else f"of which import torch {m['import']:.1f} s per rank"
+        imported = {"fork": f"of which import torch {m['import']:.1f} s, once, in the launching process "
+                            f"(each rank is a copy of it)",
+                    "forkserver": f"import torch {m['import']:.2f} s per rank (the fork server imported it once)"
+                    }.get(launcher, f"of which import torch {m['import']:.1f} s per rank")
         rows.append(Row("startup", f"{tag} launch -> every rank in worker()", m["running"], "s", note=imported))
         rows.append(Row("startup", f"{tag} init_process_group + first barrier", m["init"], "s"))
         rows.append(Row("startup", f"{tag} launch -> every rank ready", m["ready"], "s", m["ready"] / ref,

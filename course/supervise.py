@@ -1,9 +1,10 @@
 """Supervising ranks: what torchrun and srun do for the ranks they start, done here for `--nproc N`.
 
-The ranks are forked from a fork server; SIGTERM and SIGUSR1 sent to the launching process are passed on to
-them; when one rank fails the others are stopped and one line says which rank and why; a rank that has done
-its work but does not exit is ended.  Inside every rank, however it was started, a failure the user can act
-on ends it with one line instead of a traceback (failures_as_one_line), so its launcher ends the job.
+The ranks are forked from this process, or from a fork server where that is not safe (start_method);
+SIGTERM and SIGUSR1 sent to the launching process are passed on to them; when one rank fails the others are
+stopped and one line says which rank and why; a rank that has done its work but does not exit is ended.
+Inside every rank, however it was started, a failure the user can act on ends it with one line instead of a
+traceback (failures_as_one_line), so its launcher ends the job.
 course/launch.py finds the ranks and starts them; course/devices.py picks each rank's device and backend;
 course/ports.py chooses where rank 0 listens.
 """
@@ -65,7 +66,8 @@ def run_ranks(rank_main, nproc: int, rank_args: tuple) -> None:
 
 def _rank(index: int, rank_main, rank_args: tuple, environ: dict):
     # A rank forked from the fork server has the environment the server started with; this launch's own
-    # (MASTER_PORT is new for every launch, e.g. in lesson 7's sweep) is the one that counts.
+    # (MASTER_PORT is new for every launch, e.g. in lesson 7's sweep) is the one that counts.  (Forked from
+    # this process, it has that already.)
     os.environ.clear()
     os.environ.update(environ)
     try:
@@ -98,23 +100,36 @@ def _signal_all(pids, signum) -> None:
 
 
 def start_method(packages=("course", "data_tools")) -> str:
-    """How the ranks are started: forked from a fork server where the platform has one (Linux, macOS).
+    """How the ranks are started: forked from this process where that is safe, else from a fork server.
 
-    The fork server is a fresh Python process (nothing of this one is copied: no CUDA, no threads).  It
-    imports torch and the course's modules once, and every rank is then a fork of it, ready in milliseconds;
-    with "spawn" every rank imports torch again itself, about 2 s of CPU each (benchmarks/bench.py,
-    section startup).  One server serves every launch of this process (lesson 7's sweep).
-    COURSE_START_METHOD=spawn starts every rank as a fresh interpreter instead.  `packages`: whose modules,
-    imported here, the server imports too.
+    "fork" (Linux, no GPU visible, no thread started here since torch was imported): every rank is a copy
+    of this process, which has imported torch, torch._dynamo and the lesson already, ready in milliseconds.
+    Where a GPU is visible, CUDA's state may not be copied into a child, and a process whose OpenMP threads
+    have run cannot be forked either (the child's first parallel region then waits for threads it does not
+    have, for ever: measured with torch 2.14.1).  Those get "forkserver": a fresh Python process (nothing of
+    this one is copied) imports torch and the course's modules once, and every rank is a fork of it (about
+    4 CPU-seconds more per launch than "fork", once).  Without either (Windows) "spawn": every rank imports
+    torch itself, about 2 s of CPU each (benchmarks/bench.py, section startup).  COURSE_START_METHOD picks
+    one of the three; "fork" where it is not safe is one line.  `packages`: whose modules, imported here,
+    the fork server imports too.
     """
     import multiprocessing
 
     available = multiprocessing.get_all_start_methods()
-    method = os.environ.get("COURSE_START_METHOD") or ("forkserver" if "forkserver" in available else "spawn")
-    if method not in ("forkserver", "spawn") or method not in available:
+    why_not_fork = _why_not_fork()
+    default = "fork" if why_not_fork is None else "forkserver" if "forkserver" in available else "spawn"
+    method = os.environ.get("COURSE_START_METHOD") or default
+    if method not in ("fork", "forkserver", "spawn") or method not in available:
         raise CourseError(f"COURSE_START_METHOD={method} is not a way to start ranks here; use "
-                          f"{' or '.join(m for m in ('forkserver', 'spawn') if m in available)}, or unset it")
+                          f"{' or '.join(m for m in ('fork', 'forkserver', 'spawn') if m in available)}, "
+                          f"or unset it")
+    if method == "fork" and why_not_fork is not None:
+        raise CourseError(f"COURSE_START_METHOD=fork: this process cannot be forked safely ({why_not_fork}); "
+                          f"use forkserver, or unset it")
     if method == "spawn":
+        return method
+    if method == "fork":
+        before_init_process_group()  # torch._dynamo, once here instead of once per rank
         return method
     # torch and the course's modules this lesson uses; each rank still runs the lesson file itself (Python
     # 3.11's fork server does not preload __main__), which then finds them imported.
@@ -124,6 +139,29 @@ def start_method(packages=("course", "data_tools")) -> str:
         preload.append("torch._dynamo")
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     return "forkserver"
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return -1
+
+
+# The threads this process had when torch had just been imported (one of torch's own besides the main one)
+_THREADS_AT_IMPORT = _thread_count()
+
+
+def _why_not_fork():
+    """None where forking this process for the ranks is safe, else why not (for one line)."""
+    if not sys.platform.startswith("linux"):
+        return "only on Linux"  # macOS's system libraries are not safe to use in a forked child
+    if torch.cuda.is_available():
+        return "a GPU is visible"
+    threads = _thread_count()
+    if threads < 0 or threads > _THREADS_AT_IMPORT:
+        return f"it has started {threads - _THREADS_AT_IMPORT} thread(s) since torch was imported"
+    return None
 
 
 def before_init_process_group() -> None:

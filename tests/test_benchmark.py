@@ -63,7 +63,7 @@ def test_smoke_run_writes_csv_table_and_plot_with_finite_ratios(dataset, tmp_pat
                         "torch DDP, 1 MB buckets", "torch DDP, 25 MB buckets (default)",
                         "torch DDP, 100 MB buckets"):
             assert f"{model}, 2 ranks: step with {variant}" in names
-    for launcher in ("self (fork server)", "self (spawn)", "torchrun"):
+    for launcher in ("self (fork)", "self (fork server)", "self (spawn)", "torchrun"):
         assert f"{launcher}, 2 ranks: init_process_group + first barrier" in names
     for w in (2, 4):  # lesson 16's checkpoints against one file from rank 0, and the two kinds of save's stall
         for measured in ("save, dcp.save (every rank its shards)", "load, dcp.load (every rank its rows)",

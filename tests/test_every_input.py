@@ -96,7 +96,8 @@ ENV_NOT_WALKED = {
     "TORCHELASTIC_RESTART_COUNT": "set by torchrun itself, only counted",
     "CUDA_VISIBLE_DEVICES": "read by the CUDA runtime; course/devices.py says when a rank sees no GPU",
     "CUBLAS_WORKSPACE_CONFIG": "set by lesson 12 for reproducible kernels, not read",
-    "COURSE_START_METHOD": "a test aid (spawn instead of fork)",
+    "COURSE_START_METHOD": "how --nproc starts its ranks; a bad value, or fork where it is unsafe, is one line "
+                           "(tests/test_launch.py)",
     "COURSE_EXIT_GRACE": "a test aid",
     "TORCH_FR_BUFFER_SIZE": "set by lesson 17 for its ranks",
     "TORCH_FR_DUMP_TEMP_FILE": "set by lesson 17 for its ranks",

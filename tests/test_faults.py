@@ -57,12 +57,14 @@ def socket_count(pid: int) -> int:
 
 def self_launched_ranks(job: Running, world: int = 2) -> dict:
     """rank -> pid of `python lesson.py --nproc N`: the processes started for its ranks, in rank order.  They
-    are forked from the launcher's fork server, whose children they are (with COURSE_START_METHOD=spawn:
-    fresh interpreters running multiprocessing's spawn_main)."""
+    are forked from the launcher itself (its children, with its command line), or from its fork server, whose
+    children they are (with COURSE_START_METHOD=spawn: fresh interpreters running multiprocessing's
+    spawn_main)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         spawned = [pid for pid in descendants(job.proc.pid) if b"spawn_main" in cmdline(pid)
-                   or b"forkserver" in cmdline(pid) and b"forkserver" in cmdline(parent(pid))]
+                   or b"forkserver" in cmdline(pid) and b"forkserver" in cmdline(parent(pid))
+                   or parent(pid) == job.proc.pid and cmdline(pid) == cmdline(job.proc.pid)]
         if len(spawned) == world:
             return dict(enumerate(sorted(spawned, key=lambda pid: (start_time(pid), pid))))
         time.sleep(0.1)

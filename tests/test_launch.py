@@ -15,13 +15,14 @@ def torch_imports(stderr: str) -> int:
     return len(re.findall(r"^import time:.*\| *torch$", stderr, flags=re.M))
 
 
-@pytest.mark.parametrize("method, imports", [("", 2), ("forkserver", 2), ("spawn", 1 + 2 + 3)])
+@pytest.mark.parametrize("method, imports", [("", 1), ("fork", 1), ("forkserver", 2), ("spawn", 1 + 2 + 3)])
 def test_ranks_see_their_own_launch_and_torch_is_imported_once_for_all(method, imports):
     """Two launches (2 ranks, then 3) from one process, as lesson 7's sweep makes them.  Every rank sees the
-    environment of its own launch (its MASTER_PORT, the variable set just before it), although the fork
-    server started with the first one.  torch is imported by the launching process and the fork server,
-    not again by each of the 5 ranks (spawn: by every rank).  The fork server imports without Python's garbage
-    collector (course/gc_paused.py); every rank has it on."""
+    environment of its own launch (its MASTER_PORT, the variable set just before it), although a fork
+    server started with the first one.  torch is imported by the launching process only (the default on a
+    machine without GPUs: fork), by it and the fork server (forkserver), not again by each of the 5 ranks
+    (spawn: by every rank).  The fork server imports without Python's garbage collector
+    (course/gc_paused.py); every rank has it on."""
     proc = run([PYTHON, TWICE], env={"COURSE_START_METHOD": method, "PYTHONPROFILEIMPORTTIME": "1"}, timeout=180)
     seen = sorted(re.findall(r"^launch=(\d) rank=(\d) world=(\d) port=(\d+) gc=1$", proc.stdout, flags=re.M))
     assert [(launch, rank, world) for launch, rank, world, _ in seen] == \
@@ -32,8 +33,52 @@ def test_ranks_see_their_own_launch_and_torch_is_imported_once_for_all(method, i
 
 
 def test_an_unknown_start_method_is_one_line():
-    proc = run([PYTHON, TWICE], env={"COURSE_START_METHOD": "fork"}, check=False, timeout=120)
+    proc = run([PYTHON, TWICE], env={"COURSE_START_METHOD": "thread"}, check=False, timeout=120)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr
-    assert "COURSE_START_METHOD=fork is not a way to start ranks here; use forkserver or spawn" in lines[0]
+    assert "COURSE_START_METHOD=thread is not a way to start ranks here; use fork or forkserver or spawn" \
+        in lines[0]
     assert "launch=" not in proc.stdout
+
+
+def test_a_process_whose_threads_have_run_is_not_forked(monkeypatch):
+    """A process whose OpenMP threads have run would give each forked rank a parallel region that waits for
+    ever (measured: the next test); such a process, or one that sees a GPU, gets the fork server,
+    and an explicit COURSE_START_METHOD=fork there is one line."""
+    import torch
+
+    from course import supervise
+    from course.cli import CourseError
+
+    monkeypatch.delenv("COURSE_START_METHOD", raising=False)
+    monkeypatch.setattr(supervise, "_THREADS_AT_IMPORT", supervise._thread_count())
+    assert supervise._why_not_fork() is None
+    monkeypatch.setattr(supervise, "_THREADS_AT_IMPORT", supervise._thread_count() - 2)
+    assert supervise._why_not_fork() == "it has started 2 thread(s) since torch was imported"
+    assert supervise.start_method() == "forkserver"
+    monkeypatch.setenv("COURSE_START_METHOD", "fork")
+    with pytest.raises(CourseError, match="this process cannot be forked safely .it has started 2 thread"):
+        supervise.start_method()
+    monkeypatch.setattr(supervise, "_THREADS_AT_IMPORT", supervise._thread_count())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert supervise._why_not_fork() == "a GPU is visible"
+
+
+def test_forking_after_threads_have_run_hangs_which_is_why_it_is_refused():
+    """The reason the rule above exists, measured: a child forked after the parent ran a parallel region
+    with 2 threads never finishes its own; forked after single-threaded work, it does at once."""
+    code = ("import os, sys, torch\n"
+            "torch.set_num_threads(int(sys.argv[1])); a = torch.randn(600, 600); a @ a\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    torch.set_num_threads(2); a @ a; os._exit(0)\n"
+            "import time; deadline = time.monotonic() + float(sys.argv[2])\n"
+            "while time.monotonic() < deadline:\n"
+            "    if os.waitpid(pid, os.WNOHANG)[0]: print('finished'); sys.exit(0)\n"
+            "    time.sleep(0.1)\n"
+            "os.kill(pid, 9); print('stuck')\n")
+    assert run([PYTHON, "-c", code, "1", "60"], env={"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": "PASSIVE"}
+               ).stdout.strip() == "finished"
+    # passive: the stuck child sleeps instead of spinning on a core for those seconds
+    assert run([PYTHON, "-c", code, "2", "8"], env={"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": "PASSIVE"}
+               ).stdout.strip() == "stuck"

@@ -89,7 +89,7 @@ def test_a_read_only_shared_venv_is_used_without_writing_into_it(tmp_path):
     command = (f"source {shlex.quote(str(SETUP))} && echo PYTHONDONTWRITEBYTECODE=$PYTHONDONTWRITEBYTECODE "
                f"&& $PY day1/0_torch_dist.py --nproc 2")
     result = read_only(venv, command, over=[(stamp, venv / ".course-requirements")],
-                       env={"VENV": str(venv), "PYTHONDONTWRITEBYTECODE": None}, timeout=120)
+                       env={"VENV": str(venv), "PYTHONDONTWRITEBYTECODE": None}, timeout=300)
     assert "==>" not in result.stdout  # neither "creating" nor "installing"
     assert "PYTHONDONTWRITEBYTECODE=1" in result.stdout
     assert result.stdout.count("mean = 1.5") == 2
@@ -188,7 +188,7 @@ def test_a_venv_on_the_sites_torch_installs_only_what_is_missing(site_module, tm
     venv, log = tmp_path / "venv", tmp_path / "pip.log"
     env = {"VENV": str(venv), "COURSE_SYSTEM_TORCH": "1", "PYTHON": BASE_PYTHON, **module,
            **pip_offline(wheels, log)}
-    result = run(["bash", SETUP], env=env, timeout=120)
+    result = run(["bash", SETUP], env=env, timeout=300)
     version = importlib.metadata.version("torch")
     assert f"==> creating the virtual environment {venv} on top of the site's torch {version}" in result.stdout
     assert f"torch {version} stays the site's" in result.stdout

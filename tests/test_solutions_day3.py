@@ -229,7 +229,7 @@ def test_17_2_sigusr1_prints_every_ranks_stack(tmp_path, dataset):
                     time.sleep(0.5)
         proc.send_signal(signal.SIGUSR1)
         time.sleep(2)
-        # py-spy on every process under the launcher (the fork server and the two ranks)
+        # py-spy on every process under the launcher (the two ranks, and a fork server where there is one)
         import psutil
 
         spy = REPO / ".venv" / "bin" / "py-spy" if (REPO / ".venv" / "bin" / "py-spy").exists() else "py-spy"
