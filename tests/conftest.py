@@ -35,11 +35,35 @@ def environ(*changes) -> dict:
     return {k: v for k, v in merged.items() if v is not None}
 
 
+_zygote = None
+
+
+def _the_zygote():
+    """This worker's tests/zygote.py server, started at its first use (None: COURSE_TEST_ZYGOTE=0)."""
+    global _zygote
+    if _zygote is None and os.environ.get("COURSE_TEST_ZYGOTE", "1") != "0":
+        import atexit
+        import tempfile
+
+        from zygote import Zygote
+
+        _zygote = Zygote(PYTHON, tempfile.mkdtemp(prefix="course-zygote-"))
+        atexit.register(_zygote.stop)
+    return _zygote
+
+
 def run(cmd, *, timeout=300, check=True, env=None, cwd=REPO) -> subprocess.CompletedProcess:
     """Run a command, capture its output, and on an unexpected exit code show all of it.  env: variables to
-    set on top of this process's, a value of None removes one."""
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=environ(env), capture_output=True, text=True,
-                          timeout=timeout)
+    set on top of this process's, a value of None removes one.  `python SCRIPT ...` is forked from this
+    worker's zygote, which has imported torch already (tests/zygote.py says when, and why it is the same)."""
+    cmd, merged = [str(c) for c in cmd], environ(env)
+    zygote = _the_zygote() if cmd[0] == PYTHON else None
+    if zygote is not None and zygote.serves(cmd, merged, PYTHON):
+        if "tests.ran_on" in sys.modules:  # no Popen for its audit hook to see
+            sys.modules["tests.ran_on"].note(cmd, merged)
+        proc = zygote.run(cmd, merged, cwd, timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=cwd, env=merged, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n"
                              f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")

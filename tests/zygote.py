@@ -1,0 +1,214 @@
+"""`python SCRIPT args` for the tests, without paying for `import torch` each time.
+
+Almost all of the suite's CPU time is Python processes importing torch and torch._dynamo (about 4 CPU-seconds
+each on a 2-core machine: docs/contributors/tests.md, "Time"); the lessons' own work at the tests' sizes is
+a small part.  So each test worker starts this file once as a server: it imports torch, torch.distributed,
+torch._dynamo and matplotlib, and nothing of the course (whose modules read the environment when imported),
+and then forks one child per command.  The child becomes what `python SCRIPT args` would be: the command's
+environment, working directory, stdin/stdout/stderr, sys.argv, sys.path[0] (and PYTHONPATH), Python's
+default signal handlers, its own process group; it runs SCRIPT as __main__ and exits through the normal
+interpreter shutdown (atexit handlers, threads joined, streams flushed).  The server never computes with
+torch, so a child's OpenMP threads start fresh (a fork after parallel work would hang: tests/test_launch.py).
+
+conftest.run() sends a command here only when nothing that is read while torch, matplotlib or Python start
+up differs from the server's own environment (see _DIFFERENCES_THAT_BYPASS); every other command, and every
+test that watches processes, starts a fresh interpreter as before.  COURSE_TEST_ZYGOTE=0 turns it off.
+
+    python tests/zygote.py SOCKET      (the server; conftest starts it)
+"""
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+# Variables read when Python, torch, its OpenMP/MKL runtime or matplotlib start: a command whose environment
+# differs from the server's in one of them gets a fresh interpreter.
+_DIFFERENCES_THAT_BYPASS = ("PYTHON", "OMP_", "KMP_", "MKL_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "NCCL",
+                            "MPL", "HOME", "TMPDIR", "LD_", "MALLOC", "LC_", "LANG", "XDG_")
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "matplotlib", "matplotlib.pyplot")
+
+
+# ------------------------------------------------------------------------------------------ client
+
+class Zygote:
+    def __init__(self, python: str, workdir: str):
+        self.path = os.path.join(workdir, f"zygote-{os.getpid()}.sock")
+        self.env = dict(os.environ)
+        self.proc = subprocess.Popen([python, __file__, self.path], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.path):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the test zygote did not start (exit {self.proc.poll()})")
+            time.sleep(0.05)
+
+    def serves(self, cmd: list, env: dict, python: str) -> bool:
+        if len(cmd) < 2 or cmd[0] != python or not str(cmd[1]).endswith(".py") or self.proc.poll() is not None:
+            return False
+        changed = {k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k)} - {"PYTHONPATH"}
+        if any(os.path.isfile(os.path.join(p, name)) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p
+               for name in ("sitecustomize.py", "usercustomize.py")):
+            return False  # Python imports it while starting up: only a fresh interpreter does
+        return not any(k.startswith(_DIFFERENCES_THAT_BYPASS) for k in changed)
+
+    def run(self, cmd: list, env: dict, cwd: str, timeout: float) -> subprocess.CompletedProcess:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self.path)
+            request = json.dumps({"argv": [str(c) for c in cmd], "env": env, "cwd": str(cwd)}).encode()
+            socket.send_fds(conn, [struct.pack("!I", len(request)) + request], [null, out_w, err_w])
+        finally:
+            for fd in (null, out_w, err_w):
+                os.close(fd)
+        chunks = {out_r: [], err_r: []}
+        readers = [threading.Thread(target=_drain, args=(fd, chunks[fd]), daemon=True) for fd in chunks]
+        for t in readers:
+            t.start()
+        deadline = time.monotonic() + timeout
+        pid = None
+        try:
+            conn.settimeout(timeout)
+            pid = int(_read_line(conn))
+            conn.settimeout(max(0.01, deadline - time.monotonic()))
+            code = int(_read_line(conn))
+        except (socket.timeout, TimeoutError):
+            if pid is not None:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for t in readers:
+                t.join(10)
+            raise subprocess.TimeoutExpired(cmd, timeout, output=b"".join(chunks[out_r]),
+                                            stderr=b"".join(chunks[err_r])) from None
+        finally:
+            conn.close()
+        for t in readers:
+            t.join()
+        decode = lambda b: b"".join(b).decode(errors="replace")  # noqa: E731
+        return subprocess.CompletedProcess(cmd, code, decode(chunks[out_r]), decode(chunks[err_r]))
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _drain(fd: int, into: list):
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        while block := f.read(65536):
+            into.append(block)
+
+
+def _read_line(conn) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        block = conn.recv(64)
+        if not block:
+            raise ConnectionError("the test zygote's child ended without a status")
+        data += block
+    return data.decode()
+
+
+# ------------------------------------------------------------------------------------------ server
+
+def _serve(path: str):
+    """Accept commands for ever; return (in a forked child) the command that child is to run."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the per-command watchers are reaped by the kernel
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path + ".tmp")
+    os.rename(path + ".tmp", path)  # the client waits for the name: it appears once we listen
+    server.listen(64)
+    while True:
+        conn, _ = server.accept()
+        msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        (size,) = struct.unpack("!I", msg[:4])
+        while len(msg) < 4 + size:
+            msg += conn.recv(1 << 20)
+        request = json.loads(msg[4:4 + size])
+        if os.fork() == 0:  # the watcher: starts the command, reports its pid and its exit code
+            server.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            pid = os.fork()
+            if pid == 0:
+                conn.close()
+                return request, fds
+            try:
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(f"{pid}\n".encode())
+                _, status = os.waitpid(pid, 0)
+                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            finally:  # the client may have gone (its timeout): the watcher ends here in every case
+                os._exit(0)
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def _become(request: dict, fds: list):
+    """Turn this forked child into `python SCRIPT args` with the request's environment and streams."""
+    os.setpgid(0, 0)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    for sig in range(1, signal.NSIG):
+        if sig in (signal.SIGKILL, signal.SIGSTOP) or sig in (32, 33):
+            continue
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # as the interpreter sets them at start-up
+        signal.signal(sig, signal.SIG_IGN)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.stdin = open(0, "r", closefd=False)
+    sys.stdout = _stream(1, unbuffered, line=False)  # a pipe: block-buffered, as Python makes it
+    sys.stderr = _stream(2, unbuffered, line=True, errors="backslashreplace")  # line-buffered (3.9+)
+    script, *args = request["argv"][1:]
+    sys.argv = [script, *args]
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[0:1] = [os.path.dirname(os.path.abspath(script)), *extra]
+    import random
+    random.seed()
+    return script
+
+
+def _stream(fd: int, unbuffered: bool, line: bool, errors: str = "strict"):
+    import io
+
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding="utf-8", errors=errors,
+                            line_buffering=line, write_through=unbuffered)
+
+
+if __name__ == "__main__":
+    import gc
+    import importlib
+
+    gc.disable()
+    for name in _PRELOAD:
+        importlib.import_module(name)
+    gc.enable()
+    request, fds = _serve(sys.argv[1])
+    script = _become(request, fds)
+    del request, fds
+    import runpy
+
+    runpy.run_path(script, run_name="__main__")
