@@ -1,0 +1,43 @@
+"""docs/trainers/ran-on.md is made from the suite's records, and a record says what the tests really ran."""
+import json
+import subprocess
+import sys
+
+from conftest import PYTHON, REPO, run
+
+sys.path.insert(0, str(REPO / "scripts"))
+import ran_on as page  # noqa: E402  scripts/ran_on.py
+from tests.ran_on import classify  # noqa: E402
+
+
+def test_the_page_is_what_the_records_give():
+    assert (REPO / "docs/trainers/ran-on.md").read_text() == page.render(), "run python scripts/ran_on.py"
+
+
+def test_commands_are_classified_by_lesson_launcher_and_world_size(tmp_path):
+    cpu = {"CUDA_VISIBLE_DEVICES": ""}
+    assert classify([PYTHON, REPO / "day1/6_mnist_ddp_pt.py", "--nproc", "4"], cpu) == \
+        {(6, "own launcher", 4, "cpu")}
+    assert classify([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                     REPO / "day2/12_ddp_fault_tolerance.py"], cpu) == {(12, "torchrun", 2, "cpu")}
+    assert classify([PYTHON, REPO / "day1/1_torch_dist_gpu.py"], {}) == {(1, "own launcher", None, "gpu")}
+    job = tmp_path / "job.sh"
+    job.write_text("#!/bin/bash\nsrun python day3/15_fsdp2.py --quick\n")
+    assert classify(["sbatch", "--parsable", job], cpu) == {(15, "Slurm (2 nodes)", None, "cpu")}
+    assert classify(["sbatch", REPO / "slurm/6_mnist_ddp_pt.sh"], cpu) == {(6, "Slurm (2 nodes)", None, "cpu")}
+    assert classify(["tensorboard", "--logdir", tmp_path], cpu) == set()
+
+
+def test_a_session_that_passes_writes_its_record_and_one_that_fails_writes_none(tmp_path):
+    record = tmp_path / "r.json"
+    env = {"COURSE_RUN_RECORD": str(record)}
+    run([PYTHON, "-m", "pytest", "-p", "tests.ran_on", "-n", "0", "-q", "--durations=0",
+         "tests/test_solutions_day1.py::test_1_3_gloo_anywhere"], env=env, timeout=300)
+    r = json.loads(record.read_text())
+    assert r["lessons"] == {"1": {"own launcher, cpu": [3]}}, r
+    assert r["machine"]["torch"] and r["machine"]["cores"] and r["tests_passed"] == 1
+    record.unlink()
+    proc = subprocess.run([PYTHON, "-m", "pytest", "-p", "tests.ran_on", "-n", "0", "-q",
+                           "tests/test_solutions_day1.py", "-k", "no_such_test"], cwd=REPO, capture_output=True,
+                          text=True, env={**__import__("os").environ, **env}, timeout=300)
+    assert proc.returncode == 5 and not record.exists(), proc.stdout + proc.stderr
