@@ -25,6 +25,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Tests marked gpu (tests/test_gpu.py) run with GPU_ENV, the GPUs this run was started with.
 GPU_ENV = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}  # None: unset, every GPU
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# The environment the session started with: what the zygote (below) imports torch under, whichever test
+# happens to start it (a test may have changed variables for itself by then).
+SESSION_ENV = dict(os.environ)
 
 
 def environ(*changes) -> dict:
@@ -47,7 +50,7 @@ def _the_zygote():
 
         from zygote import Zygote
 
-        _zygote = Zygote(PYTHON, tempfile.mkdtemp(prefix="course-zygote-"))
+        _zygote = Zygote(PYTHON, tempfile.mkdtemp(prefix="course-zygote-"), SESSION_ENV)
         atexit.register(_zygote.stop)
     return _zygote
 

@@ -47,6 +47,7 @@ def checks(slurm_cluster, dataset, tmp_path_factory):
 
 def test_the_readiness_check_passes_on_a_ready_cluster_and_reports_its_bandwidth(checks):
     code, out, log = checks["ready"]
+    print(out)  # the verdict table, for `pytest -s` or -rP
     assert code == 0, out + log
     assert "READY: every check passed" in out
     for step in ("environment and data", "all_reduce across nodes", "bus bandwidth", "DDP lesson (10)",

@@ -1,7 +1,7 @@
 """tests/zygote.py runs `python SCRIPT args` as a fresh interpreter would: what the script sees is the same."""
 import subprocess
 
-from conftest import PYTHON, REPO, _the_zygote, environ
+from conftest import PYTHON, REPO, SESSION_ENV, _the_zygote
 
 SCRIPT = '''
 import os, signal, sys
@@ -19,7 +19,7 @@ def test_a_script_sees_the_same_through_the_zygote_as_in_a_fresh_interpreter(tmp
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)
     cmd = [PYTHON, str(script), "3", "an argument"]
-    env = environ({"PROBE": "value"})
+    env = {**SESSION_ENV, "PROBE": "value"}
     zygote = _the_zygote()
     assert zygote is not None and zygote.serves(cmd, env, PYTHON)
     served = zygote.run(cmd, env, str(tmp_path), timeout=120)
@@ -27,6 +27,6 @@ def test_a_script_sees_the_same_through_the_zygote_as_in_a_fresh_interpreter(tmp
     assert (served.returncode, served.stdout, served.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
     assert served.returncode == 3 and " value " in served.stdout and "to stderr" in served.stderr
     # what torch, OpenMP or Python read while starting up makes a fresh interpreter instead
-    assert not zygote.serves(cmd, environ({"OMP_NUM_THREADS": "2"}), PYTHON)
+    assert not zygote.serves(cmd, {**env, "OMP_NUM_THREADS": "2"}, PYTHON)
     assert not zygote.serves([PYTHON, "-m", "torch.distributed.run", str(script)], env, PYTHON)
     assert (REPO / "tests" / "zygote.py").is_file()

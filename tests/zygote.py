@@ -36,9 +36,9 @@ _PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "matplotlib", "matplo
 # ------------------------------------------------------------------------------------------ client
 
 class Zygote:
-    def __init__(self, python: str, workdir: str):
+    def __init__(self, python: str, workdir: str, env: dict):
         self.path = os.path.join(workdir, f"zygote-{os.getpid()}.sock")
-        self.env = dict(os.environ)
+        self.env = dict(env)
         self.proc = subprocess.Popen([python, __file__, self.path], stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)
         deadline = time.monotonic() + 120
