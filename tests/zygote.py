@@ -5,10 +5,11 @@ each on a 2-core machine: docs/contributors/tests.md, "Time"); the lessons' own 
 a small part.  So each test worker starts this file once as a server: it imports torch, torch.distributed,
 torch._dynamo and matplotlib, and nothing of the course (whose modules read the environment when imported),
 and then forks one child per command.  The child becomes what `python SCRIPT args` would be: the command's
-environment, working directory, stdin/stdout/stderr, sys.argv, sys.path[0] (and PYTHONPATH), Python's
-default signal handlers, its own process group; it runs SCRIPT as __main__ and exits through the normal
-interpreter shutdown (atexit handlers, threads joined, streams flushed).  The server never computes with
-torch, so a child's OpenMP threads start fresh (a fork after parallel work would hang: tests/test_launch.py).
+environment, working directory, stdin/stdout/stderr, sys.argv, sys.path[0] (and PYTHONPATH), the signal
+handlers a fresh interpreter would start with, its own process group; it runs SCRIPT as __main__ and exits
+through the normal interpreter shutdown (atexit handlers, threads joined, streams flushed).  The server never
+computes with torch, so a child's OpenMP threads start fresh (a fork after parallel work would hang:
+tests/test_launch.py).
 
 conftest.run() sends a command here only when nothing that is read while torch, matplotlib or Python start
 up differs from the server's own environment (see _DIFFERENCES_THAT_BYPASS); every other command, and every
@@ -164,16 +165,11 @@ def _become(request: dict, fds: list):
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    for sig in range(1, signal.NSIG):
-        if sig in (signal.SIGKILL, signal.SIGSTOP) or sig in (32, 33):
-            continue
+    for sig, disposition in _AT_START.items():  # what a fresh interpreter started by the same parent has
         try:
-            signal.signal(sig, signal.SIG_DFL)
-        except (OSError, ValueError):
+            signal.signal(sig, disposition)
+        except (OSError, ValueError, TypeError):
             pass
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # as the interpreter sets them at start-up
-        signal.signal(sig, signal.SIG_IGN)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -198,9 +194,25 @@ def _stream(fd: int, unbuffered: bool, line: bool, errors: str = "strict"):
                             line_buffering=line, write_through=unbuffered)
 
 
+def _dispositions() -> dict:
+    """Every signal's handler as this interpreter started: inherited ignores (a background job's SIGINT),
+    Python's own (SIGINT, SIGPIPE, SIGXFSZ), the default for the rest."""
+    found = {}
+    for sig in range(1, signal.NSIG):
+        try:
+            handler = signal.getsignal(sig)
+        except ValueError:
+            continue
+        if handler is not None and sig not in (signal.SIGKILL, signal.SIGSTOP):
+            found[sig] = handler
+    return found
+
+
 if __name__ == "__main__":
     import gc
     import importlib
+
+    _AT_START = _dispositions()
 
     gc.disable()
     for name in _PRELOAD:
