@@ -75,11 +75,12 @@ class Zygote:
             t.start()
         deadline = time.monotonic() + timeout
         pid = None
+        lines = conn.makefile("rb")  # the pid and the exit code may arrive in one packet
         try:
             conn.settimeout(timeout)
-            pid = int(_read_line(conn))
+            pid = int(_read_line(lines))
             conn.settimeout(max(0.01, deadline - time.monotonic()))
-            code = int(_read_line(conn))
+            code = int(_read_line(lines))
         except (socket.timeout, TimeoutError):
             if pid is not None:
                 try:
@@ -91,6 +92,7 @@ class Zygote:
             raise subprocess.TimeoutExpired(cmd, timeout, output=b"".join(chunks[out_r]),
                                             stderr=b"".join(chunks[err_r])) from None
         finally:
+            lines.close()
             conn.close()
         for t in readers:
             t.join()
@@ -103,7 +105,8 @@ class Zygote:
             self.proc.wait()
         try:
             os.unlink(self.path)
-        except FileNotFoundError:
+            os.rmdir(os.path.dirname(self.path))
+        except OSError:
             pass
 
 
@@ -113,14 +116,11 @@ def _drain(fd: int, into: list):
             into.append(block)
 
 
-def _read_line(conn) -> str:
-    data = b""
-    while not data.endswith(b"\n"):
-        block = conn.recv(64)
-        if not block:
-            raise ConnectionError("the test zygote's child ended without a status")
-        data += block
-    return data.decode()
+def _read_line(lines) -> str:
+    line = lines.readline()
+    if not line.endswith(b"\n"):
+        raise ConnectionError("the test zygote's child ended without a status")
+    return line.decode()
 
 
 # ------------------------------------------------------------------------------------------ server
