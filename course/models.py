@@ -42,24 +42,34 @@ def build_model(name: str, seed: int) -> nn.Module:
 
 class Block(nn.Module):
     """One transformer block, pre-norm: x + attention(norm(x)), then x + MLP(norm(x)).  Day 3 checkpoints
-    and shards the model block by block, so a block is the unit that owns its parameters."""
+    and shards the model block by block, so a block is the unit that owns its parameters.
+    `qkv` makes every head's query, key and value with one matrix, its rows ordered head by head (head 0's
+    q, k, v, then head 1's, ...): cut into T equal pieces of rows, as tensor parallelism cuts it (lesson 19,
+    `tensor_parallel_plan`), each piece holds whole heads.  Its initial rows are drawn as nn.Linear draws
+    them, all queries, then all keys, then all values, and put in that order: the same numbers in each
+    head's q, k and v whichever order the rows are kept in.  The forward pass takes the number of heads
+    from the tensor it gets (`-1` below), so that the same code runs on all heads or on a rank's share."""
 
     def __init__(self, width: int, heads: int, mlp_ratio: int = 2):
         super().__init__()
         if width % heads:
             raise ValueError(f"width {width} must be a multiple of heads {heads}")
-        self.heads = heads
+        self.head_width = width // heads
         self.norm1 = nn.LayerNorm(width)
         self.qkv = nn.Linear(width, 3 * width)
+        by_head = torch.arange(3 * width).view(3, heads, self.head_width).transpose(0, 1).reshape(-1)
+        with torch.no_grad():  # rows [q of all heads, k ..., v ...] -> [head 0's q, k, v, head 1's ...]
+            self.qkv.weight.copy_(self.qkv.weight[by_head])
+            self.qkv.bias.copy_(self.qkv.bias[by_head])
         self.proj = nn.Linear(width, width)
         self.norm2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, mlp_ratio * width), nn.GELU(), nn.Linear(mlp_ratio * width, width))
 
     def forward(self, x):
-        b, t, w = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
-        attended = nn.functional.scaled_dot_product_attention(q, k, v)  # [b, heads, t, w / heads]
-        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, w))
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, -1, 3, self.head_width).permute(3, 0, 2, 1, 4)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v)  # [b, heads, t, head_width]
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, -1))
         return x + self.mlp(self.norm2(x))
 
 
@@ -127,3 +137,34 @@ def model_from_args(args, seed: int) -> nn.Module:
         return build_model(args.model, seed)
     torch.manual_seed(seed)
     return ViT(args.patch, args.width, args.depth, args.heads)
+
+
+# ------------------------------------------------------------------------------------------ day 4: the plans
+
+def tensor_parallel_plan() -> dict:
+    """How lesson 19 cuts one Block over the T ranks of a tensor-parallel mesh: `parallelize_module`'s plan,
+    keyed by the block's submodules.  Each pair is column-wise then row-wise (Megatron-LM's split):
+    - `qkv` and `mlp.0` column-wise: rank r keeps the r-th of T pieces of their output rows (weight and bias
+      Shard(0)) and computes that part of their output from the whole input, without communicating; qkv's
+      rows are ordered head by head (Block), so a piece is whole heads, and attention runs on them locally;
+    - `proj` and `mlp.2` row-wise: rank r keeps the matching columns (weight Shard(1); the bias whole,
+      Replicate) and multiplies its part of the input by them: a partial sum, which one all_reduce in the
+      forward pass adds up over the ranks.  Backward: one all_reduce of the column-wise layer's input
+      gradient.  So 2 all_reduces forward and 2 backward per block, each the size of the activations."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
+            "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+
+
+def check_tensor_parallel(args, degree: int) -> None:
+    """One clear line, before any rank starts, when the ViT's heads do not divide among `degree` ranks."""
+    from course.cli import CourseError
+
+    if args.model != "vit":
+        raise CourseError(f"--model {args.model}: tensor parallelism cuts the ViT's attention and MLP layers; "
+                          f"use --model vit")
+    if args.heads % degree:
+        raise CourseError(f"--heads {args.heads} does not divide among {degree} tensor-parallel ranks (each rank "
+                          f"computes whole heads); use --heads {degree * max(1, args.heads // degree)} or a "
+                          f"world size that divides {args.heads}")

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO, help_texts_of
 
-LESSONS = sorted(str(p.relative_to(REPO)) for d in ("day1", "day2", "day3") for p in (REPO / d).glob("*.py"))
+LESSONS = sorted(str(p.relative_to(REPO)) for d in ("day1", "day2", "day3", "day4") for p in (REPO / d).glob("*.py"))
 USAGE_OPTION = re.compile(r"\[(--[\w-]+)(?: ([A-Z_]+|\{[^}]*\}))?\]")
 
 # Bad values of every option that takes one (flags take none; a choice is checked by argparse, and each gets
@@ -52,6 +52,7 @@ BAD_OPTION_VALUES = {
     "--export": ["FILE/model.pt"],
     "--debug-server": ["x", "70000"],
     "--save-every": ["0", "x"],
+    "--sizes-mib": ["0", "-1", "x"],
 }
 # Options that are used only with another one: the bad value is given with it.
 OPTION_NEEDS = {"--log-dir": [("--profile",)], "--watch-interval": [("--watch-hardware",)],

@@ -50,7 +50,7 @@ def test_help_says_what_is_counted_and_bad_input_is_one_line():
     assert proc.returncode == 2 and "must be 0 or more" in proc.stderr
 
 
-LESSONS = [p for day in ("day1", "day2", "day3") for p in sorted((REPO / day).glob("[0-9]*.py"))] + \
+LESSONS = [p for day in ("day1", "day2", "day3", "day4") for p in sorted((REPO / day).glob("[0-9]*.py"))] + \
     [REPO / "day1" / "test-profile.py"]
 TAG = re.compile(r"# (DDP|DIST):")
 DISTRIBUTED = re.compile(r"\bdist\.(?!destroy_process_group|get_backend|ReduceOp)\w+\(|\bDDP\(|DistributedSampler\(|"

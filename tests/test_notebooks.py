@@ -253,7 +253,7 @@ def test_the_inputs_digest_changes_with_any_file_a_notebook_depends_on(tmp_path,
     README does not."""
     import shutil
 
-    for part in ("course", "data_tools", "day1", "day2", "day3", "slurm", "notebooks"):
+    for part in ("course", "data_tools", "day1", "day2", "day3", "day4", "slurm", "notebooks"):
         shutil.copytree(REPO / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__", "*.ipynb"))
     for req in [*REPO.glob("requirements*.txt"), REPO / "constraints.txt"]:
         shutil.copy(req, tmp_path)

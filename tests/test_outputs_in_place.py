@@ -2,7 +2,7 @@
 workshop's users do) writes its outputs relative to that folder, and git shows none of them as untracked.
 
 Two checks: every lesson's default output option (--run-dir, --log-dir, --checkpoint-dir, read from its --help)
-and the launchers' log folder are ignored by git when they lie under day1/, day2/, day3/ or slurm/; and real
+and the launchers' log folder are ignored by git when they lie under day1/ to day4/ or slurm/; and real
 runs from inside day1/ and day2/, in a copy of the lessons with the repository's .gitignore, leave `git
 status` clean.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from conftest import PYTHON, REPO, help_texts_of, run
 
-LESSON_DIRS = ("day1", "day2", "day3")
+LESSON_DIRS = ("day1", "day2", "day3", "day4")
 # a path option whose default is where outputs go (the data dir's default is the repository's data/)
 OUTPUT_OPTION = re.compile(r"--(run-dir|log-dir|checkpoint-dir) [A-Z_]+ .*?\(default: ([^)\s]+)\)")
 

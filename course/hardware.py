@@ -1,0 +1,84 @@
+"""Lesson 18's plumbing: a call timed the way nccl-tests times it, and the bytes this machine's network
+interfaces have sent (the kernel's counters)."""
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+NET_DEV = Path("/proc/net/dev")
+
+
+def timed(call, iters: int, device) -> tuple:
+    """(seconds, bytes) per call: `iters` calls back to back, started together on every rank (a barrier),
+    ended when the device has finished them; the slowest rank's seconds (a collective ends for all when it
+    ends for the last), and the bytes this machine's network interfaces sent meanwhile (`sent_bytes`).
+    Every rank calls it."""
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    synchronize()
+    dist.barrier()
+    sent, start = sent_bytes(), time.perf_counter()
+    for _ in range(iters):
+        call()
+    synchronize()
+    seconds = torch.tensor([(time.perf_counter() - start) / iters], device=device)
+    sent = (sent_bytes() - sent) / iters
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return seconds.item(), sent
+
+
+def sent_bytes() -> int:
+    """Bytes sent so far by every network interface of this machine's network namespace, loopback
+    included (/proc/net/dev's transmit counters): what gloo's TCP connections put on the wire, headers
+    and any other program's traffic included.  NCCL's NVLink, shared-memory and InfiniBand transfers
+    bypass these counters.  0 where the file does not exist (not Linux)."""
+    if not NET_DEV.exists():
+        return 0
+    total = 0
+    for line in NET_DEV.read_text().splitlines()[2:]:
+        total += int(line.split(":", 1)[1].split()[8])
+    return total
+
+
+def collectives_table(rows: list) -> None:
+    """The collectives measured, one line each: time, algorithm and bus bandwidth, the bytes this machine
+    sent per rank against the bus formula's (the algbw, busbw and formula's bytes are added to each row)."""
+    print(f"{'collective':<15}{'MiB':>8}{'ms':>9}{'algbw GB/s':>12}{'busbw GB/s':>12}{'sent MB/rank':>14}"
+          f"{'formula MB':>12}{'sent/formula':>14}", flush=True)
+    for r in rows:
+        r["algbw_gbps"] = r["bytes"] / r["seconds"] / 1e9  # nccl-tests: S / t
+        r["busbw_gbps"] = r["algbw_gbps"] * r["factor"]  # what each rank's link carries per second
+        r["formula_per_rank"] = r["bytes"] * r["factor"]  # the bytes each rank sends (ring)
+        ratio = f"{r['sent'] / r['formula_per_rank']:.3f}" if r["sent"] and r["formula_per_rank"] else "n/a"
+        print(f"{r['op']:<15}{r['bytes'] / 2 ** 20:>8.2f}{r['seconds'] * 1e3:>9.2f}{r['algbw_gbps']:>12.3f}"
+              f"{r['busbw_gbps']:>12.3f}{r['sent'] / 1e6:>14.3f}{r['formula_per_rank'] / 1e6:>12.3f}"
+              f"{ratio:>14}", flush=True)
+    if not any(r["sent"] for r in rows):
+        print("sent: n/a (no bytes through this machine's network interfaces: NCCL's NVLink, shared-memory and "
+              "InfiniBand transfers bypass the kernel's counters)", flush=True)
+
+
+def all_reduce_seconds(rows: list, nbytes: float) -> tuple:
+    """(seconds, the row used): an all_reduce of `nbytes` at the algorithm bandwidth measured at the
+    nearest size."""
+    near = min((r for r in rows if r["op"] == "all_reduce"), key=lambda r: abs(r["bytes"] - nbytes))
+    return nbytes / (near["bytes"] / near["seconds"]), near
+
+
+def report(rows: list, flops: int, formula: float, peak: float, mfu: float, gradient_bytes: int,
+           step_seconds: float) -> None:
+    """Rank 0's tables: the collectives, the FLOPs counted against the rule of thumb, the utilization,
+    and what DDP's all_reduce of the gradients costs a step at the measured bandwidth."""
+    collectives_table(rows)
+    print(f"step 1's FLOPs on this rank, counted by torch: {flops / 1e9:.3f} GFLOP; 6 x parameters x tokens + "
+          f"12 x depth x tokens x width x tokens: {formula / 1e9:.3f} GFLOP (counted / formula: "
+          f"{flops / formula:.3f})", flush=True)
+    print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; training steps reached {mfu * peak / 1e9:.1f} GFLOP/s: model FLOPs "
+          f"utilization {mfu:.3f}", flush=True)
+    seconds, near = all_reduce_seconds(rows, gradient_bytes)
+    print(f"DDP all_reduces {gradient_bytes / 1e6:.3f} MB of gradients per step: at the all_reduce bandwidth measured "
+          f"at {near['bytes'] / 2 ** 20:.2f} MiB, about {seconds * 1e3:.1f} ms of a training step's "
+          f"{step_seconds * 1e3:.1f} ms", flush=True)

@@ -1,0 +1,184 @@
+"""Lesson 19: tensor parallelism: every layer's matrices cut over the ranks, all ranks on the same batch.
+
+    python day4/19_tensor_parallel.py --nproc 2 --quick
+    torchrun --nproc_per_node=4 day4/19_tensor_parallel.py --quick
+    srun --ntasks=4 python day4/19_tensor_parallel.py
+
+Lesson 13's loop with DDP replaced by tensor parallelism (TP):
+- DDP and FSDP2 split the batch: each rank computes the whole model on its share of the samples.  TP splits
+  the model's layers instead: each of the T ranks holds 1/T of every attention and MLP matrix, computes
+  1/T of each layer's output for the whole batch, and the ranks add their partial results up with
+  all_reduces inside the forward and backward passes.  All ranks take the same batches (a sampler over one
+  replica), so T ranks train exactly what one process with that batch trains.
+- A device mesh of T ranks in a row, named "tp" (`init_device_mesh`), and `parallelize_module` on each
+  block with the plan beside the model (course/models.py, `tensor_parallel_plan`): qkv and mlp.0
+  column-wise (rank r keeps the r-th piece of their output rows: for qkv, whole heads), proj and mlp.2
+  row-wise (the matching input columns; their output is a partial sum, all_reduced).  The parameters they
+  cut become DTensors: `p.to_local()` is this rank's piece, `p.placements` says how it was cut (Shard(0):
+  rows, Shard(1): columns, Replicate(): whole, as the row-wise layers' biases).  The embedding, the layer
+  norms and the head stay plain tensors, whole on every rank, computed the same on every rank.
+- `parallelize_module` sends rank 0's weights to the others (each gets its piece), so every rank starts
+  from the same model, lesson 13's at the same seed.
+- Per block and step: 2 all_reduces in forward (the row-wise outputs) and 2 in backward (the gradients of
+  the column-wise layers' inputs), each the size of the block's activations, [batch, tokens, width]:
+  torch's CommDebugMode counts them in step 1 and the lesson prints the count.  DDP sends the gradients
+  once per step, whatever the batch; TP sends activations 4 times per block, and so needs a fast link
+  (the GPUs of one node: NVLink), which is why it is kept inside a node (lesson 20).
+- The gradient clip: clip_grad_norm_ refuses a mix of DTensors and plain tensors, so the lesson takes the
+  norm of each group (the DTensors' squares are summed over the ranks: `full_tensor()`) and of the two
+  together, and clips both groups with it: the norm one process would compute.
+- Evaluation runs the whole test set on every rank: every rank must run the same forward (its all_reduces
+  add up the ranks' pieces of the same samples).
+- Each rank holds exactly 1/T of the cut parameters (and of their gradients and momentum), counted from
+  their local pieces, and the whole of the rest; step 3's memory is measured as in lessons 13 and 15.
+- model.pt: the whole weights, gathered as in lesson 15 (rank 0 keeps them).
+--batch-size is the global batch: every rank computes on all of it.  --heads must divide among the ranks.
+Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line (the plan too).
+"""
+import sys
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
+from course.requires import require  # noqa: E402
+require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from course import cli, hardware, memory, parallel, replicas
+from course.evaluate import evaluate
+from course.launch import backend_for, launch, setup_device
+from course.models import add_vit_args, check_tensor_parallel, check_vit_args, model_from_args, tensor_parallel_plan
+from course.output import plot_curves, rank_print, save_weights, write_json
+from course.precision import DTYPES, check_precision
+from course.profiling import add_profile_args, maybe_profile
+from data_tools.datasets import InMemoryMNIST, batches, require
+
+
+def bandwidth(device, n: int, local_ranks: int, sizes_mib: list, iters: int) -> list:
+    """Every rank: each collective at each size, timed; its algorithm and bus bandwidth (nccl-tests'
+    definitions), and the bytes this machine's interfaces sent per call and rank against the formula's."""
+    rows = []
+    for op, factor in (("all_reduce", 2 * (n - 1) / n), ("all_gather", (n - 1) / n), ("reduce_scatter", (n - 1) / n)):
+        for mib in sizes_mib:
+            whole = torch.ones(int(mib * 2 ** 20) // (4 * n) * n, device=device)  # S: divisible among n ranks
+            piece = torch.ones(whole.numel() // n, device=device)  # one rank's part of S
+            call = {"all_reduce": lambda: dist.all_reduce(whole),  # DIST: every rank gets the sum of all
+                    "all_gather": lambda: dist.all_gather_into_tensor(whole, piece),  # DIST: the n pieces
+                    "reduce_scatter": lambda: dist.reduce_scatter_tensor(piece, whole)}[op]  # DIST: my piece's sum
+            call()  # warm-up: connections, buffers
+            seconds, sent = hardware.timed(call, iters, device)  # DIST: the slowest rank's; this machine's bytes
+            rows.append(dict(op=op, bytes=whole.nbytes, seconds=seconds, factor=factor, sent=sent / local_ranks))
+    return rows
+
+
+def worker(info, args):
+    rank, world_size = info.rank, info.world_size
+    device = setup_device(args.device, info.local_rank)
+    dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
+                            timeout=timedelta(seconds=args.timeout))
+    require(args.dataset, args.data_dir)
+    train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
+    test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
+
+    rows = bandwidth(device, world_size, info.local_world_size, args.sizes_mib, iters=5)
+    model = model_from_args(args, args.seed).to(device)
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))  # DIST: T ranks share each layer
+    for block in model.blocks:  # DIST: rank 0's weights cut into T pieces; each rank keeps its own
+        parallelize_module(block, mesh, tensor_parallel_plan())
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    dtype = DTYPES[args.precision]
+    peak = memory.StepPeak(model, optimizer, device)  # step 3's bytes: held as it begins, most during it
+
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed)  # DIST: same for all
+    if args.loader == "dataloader":  # the loop to write for your own dataset
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    else:  # the same batches, each gathered from the in-memory tensors at once (data_tools/datasets.py)
+        loader = batches(train_set, sampler, args.batch_size)
+    prof = maybe_profile(args, rank, device)  # --profile: lesson 5's traces and TensorBoard scalars
+    losses, norms, step_seconds, step, start = [], [], 0.0, 0, time.perf_counter()
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        for x, y in loader:
+            begun = time.perf_counter()
+            counting = CommDebugMode() if step == 0 else nullcontext()  # DIST: counts DTensor's collectives
+            with counting:  # step 1 only: torch counts what its forward and backward passes do
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                    loss = F.cross_entropy(model(x), y)  # the logits are 16-bit, the loss fp32
+                optimizer.zero_grad()
+                loss.backward()  # DIST: an all_reduce of each column-wise layer's input gradient
+            comms = parallel.collectives(counting) if step == 0 else comms  # forward and backward, by name
+            with implicit_replication():  # DIST: clip_grad_norm_ takes the plain tensors as Replicate DTensors
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)  # DIST: all ranks'
+            optimizer.step()
+            step_seconds += (time.perf_counter() - begun) if step else 0.0  # step 1 counts FLOPs: not timed
+            losses.append(loss.detach())
+            norms.append(norm.full_tensor().detach())  # DIST: the same norm on every rank
+            step += 1
+            prof.step(loss, len(y))
+            if step == args.max_steps:
+                break
+        accuracy, test_loss, counted = evaluate(model, test_set)  # every rank all of it: the same forward
+        prof.epoch(epoch, accuracy, test_loss)
+        if rank == 0:
+            rank_print(rank, f"epoch {epoch}: test loss {test_loss:.4f}, test accuracy {accuracy:.4f} "
+                             f"({counted} test images, each counted once)")
+        if step == args.max_steps:
+            break
+    seconds = time.perf_counter() - start
+    prof.close()
+    rank_print(rank, f"{step} steps in {seconds:.1f} s (every rank: {len(sampler)} samples per epoch); {peak}")
+    per_rank = parallel.report(rank, model, optimizer, rows, comms, args, step_seconds / max(step - 1, 1))  # DIST
+
+    identical = replicas.identical_on_all_ranks(parallel.uncut(model))  # DIST: the uncut parameters, equal?
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # DIST
+    losses = torch.stack(losses)
+    losses = losses.tolist()  # the same on every rank: each computed the whole batch's loss
+    if rank == 0:  # DIST: one process writes the outputs
+        global_batch = args.batch_size  # every rank computes on the whole batch
+        samples = min(step * global_batch, args.epochs * len(sampler))
+        run = args.run_dir
+        write_json(run / "metrics.json", {
+            "lesson": "19_tensor_parallel", "dataset": args.dataset, "model": args.model,
+            "precision": args.precision, "world_size": world_size, "backend": dist.get_backend(),
+            "batch_size": args.batch_size, "global_batch_size": global_batch, "lr": args.lr,
+            "epochs": args.epochs, "steps": step, "collectives": rows, "identical_weights": identical,
+            "collectives_step_1": comms, "per_rank_bytes": per_rank, "step_seconds": step_seconds / max(step - 1, 1),
+            "samples_seen": samples, "train_seconds": seconds, "samples_per_second": samples / seconds,
+            "test_accuracy": accuracy, "test_loss": test_loss, "loss_per_step": losses,
+            "grad_norm_per_step": torch.stack(norms).tolist(), "memory": peak.result()})
+        save_weights(run / "model.pt", full)
+        plot_curves(run / "loss.png", {f"{args.precision}, {world_size} ranks": (range(1, step + 1), losses)},
+                    "step", "training loss (the same on every rank)", f"{args.model}, global batch {global_batch}")
+        print(f"{world_size} tensor-parallel ranks, batch {global_batch} on every rank, {args.precision}: "
+              f"test accuracy {accuracy:.4f}; uncut parameters identical on all ranks: "
+              f"{identical}; outputs in {run}", flush=True)
+    dist.destroy_process_group()
+
+
+def build_parser():
+    p = cli.add_loader(cli.add_distributed(cli.parser(__doc__, "day4/19_tensor_parallel.py", nproc_default=2)))
+    p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0,
+                   help="DDP's gradient bucket size in MB")
+    p.add_argument("--precision", default="fp32", choices=("bf16", "fp32"),
+                   help="the dtype of autocast's matrix products (fp16 would need lesson 13's GradScaler)")
+    p.add_argument("--sizes-mib", type=cli.positive_float, nargs="+", default=[0.25, 4.0, 16.0], help="sizes S, MiB")
+    p.add_argument("--clip-grad-norm", type=cli.positive_float, default=1.0,
+                   help="clip the gradients' total norm to this")
+    return add_profile_args(add_vit_args(p))
+
+
+if __name__ == "__main__":
+    cli.main(lambda args: (require(args.dataset, args.data_dir), check_vit_args(args), check_precision(args),
+                           check_tensor_parallel(args, memory.world_size_of(args)), launch(worker, args)), build_parser())
