@@ -22,7 +22,7 @@ COLUMNS = [("own launcher", "own launcher `--nproc`"), ("torchrun", "torchrun"),
 
 def worlds(sizes: list) -> str:
     shown = [str(s) for s in sizes if s]
-    return (", ".join(shown) + " ranks") if shown else "yes"
+    return (", ".join(shown) + (" rank" if shown == ["1"] else " ranks")) if shown else "yes"
 
 
 def render() -> str:

@@ -19,9 +19,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-LESSON = re.compile(r"(?:^|/)(day[1-4])/(\d+)_\w+\.py$")
-LAUNCHER_SCRIPT = re.compile(r"(?:^|/)slurm/(\d+)_\w+\.sh$")
+import pytest
+
+# the lesson's id (as docs/lessons.toml has it) from a path: day1/6_mnist_ddp_pt.py, day1/test-profile.py,
+# data_tools/create_mnist_h5.py; from a launcher (slurm/15_fsdp2.sh); from multinode_setup_and_run.sh's argument
+LESSON = re.compile(r"(?:^|/)(?:day\d/(\d+)_\w+|day1/(test-profile)|data_tools/(create_mnist_h5))\.py$")
+LAUNCHER_SCRIPT = re.compile(r"(?:^|/)slurm/(\d+_\w+|test-profile|create_mnist_h5)\.sh$")
 SLURM_LESSON = re.compile(r"^(\d+)_[a-z]\w*\.py$")  # multinode_setup_and_run.sh 10_mnist_ddp_pt_multinode.py
+SUBMITTED = re.compile(r"^(\d+)(?:_\w+)?$|^(test-profile|create_mnist_h5)$")  # slurm/submit.sh NAME
+REPO = Path(__file__).resolve().parents[1]
+
+
+def lesson_id(match) -> str:
+    """'6', 'test-profile' or 'create_mnist_h5' from a match of one of the patterns above."""
+    found = next(g for g in match.groups() if g)
+    return found.split("_", 1)[0] if found[0].isdigit() else found
 
 _current = None   # the test now running (this worker)
 _seen = {}        # nodeid -> set of (lesson, how, world, device)
@@ -37,20 +49,27 @@ def classify(argv: list, env: dict = None) -> set:
         args[args.index("--device") + 1] == "cpu" else "gpu"
     found = set()
     names = [Path(a).name for a in args]
+    if "submit.sh" in names[:2]:  # slurm/submit.sh NAME [--site ...] [-- lesson args]: a launcher submitted
+        rest = args[names.index("submit.sh") + 1:]
+        options = rest[:rest.index("--")] if "--" in rest else rest  # submit.sh's own, not the lesson's
+        m = SUBMITTED.match(rest[0]) if rest else None
+        if m and "--dry-run" not in options:
+            found.add((lesson_id(m), "Slurm (2 nodes)", None, device))
+        return found
     if names and names[0] in ("sbatch", "salloc", "srun"):
         texts = list(args)
-        for a in args[1:]:  # a job script the test wrote: the lessons its commands name
-            if a.endswith(".sh") and not LAUNCHER_SCRIPT.search(a) and os.path.isfile(a):
+        for a in args[1:]:  # a job script the test wrote (not the course's own): the lessons its commands name
+            if a.endswith(".sh") and os.path.isfile(a) and REPO not in Path(a).resolve().parents:
                 texts += Path(a).read_text(errors="replace").split()
         for a in texts:
             m = LAUNCHER_SCRIPT.search(a) or LESSON.search(a) or SLURM_LESSON.search(a)
             if m:
-                found.add((int(m.groups()[-1]), "Slurm (2 nodes)", None, device))
+                found.add((lesson_id(m), "Slurm (2 nodes)", None, device))
         return found
     lessons = [LESSON.search(a) for a in args]
     if not any(lessons):
         return found
-    number = int(next(m for m in lessons if m).group(2))
+    number = lesson_id(next(m for m in lessons if m))
     if "torch.distributed.run" in args or (names and names[0] == "torchrun"):
         world = next((int(a.split("=", 1)[1]) for a in args if a.startswith("--nproc_per_node=")), None)
         found.add((number, "torchrun", world, device))
@@ -86,6 +105,7 @@ def pytest_runtest_logreport(report):
         _failed.append(report.nodeid)
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: without xdist there are no workers
 def pytest_testnodedown(node, error):
     """xdist: a worker's record comes back in its workeroutput."""
     rows = getattr(node, "workeroutput", {}).get("course_ran_on")
@@ -112,7 +132,7 @@ def pytest_sessionfinish(session, exitstatus):
     record = {"machine": machine(), "date": datetime.date.today().isoformat(),
               "command": "./run_tests.sh -p tests.ran_on", "tests_passed": session.testscollected,
               "lessons": {n: {k: sorted(v) for k, v in sorted(e.items())}
-                          for n, e in sorted(lessons.items(), key=lambda kv: int(kv[0]))}}
+                          for n, e in sorted(lessons.items(), key=lambda kv: (not kv[0].isdigit(), kv[0].zfill(4)))}}
     path = Path(os.environ["COURSE_RUN_RECORD"])
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -17,14 +17,28 @@ def test_the_page_is_what_the_records_give():
 def test_commands_are_classified_by_lesson_launcher_and_world_size(tmp_path):
     cpu = {"CUDA_VISIBLE_DEVICES": ""}
     assert classify([PYTHON, REPO / "day1/6_mnist_ddp_pt.py", "--nproc", "4"], cpu) == \
-        {(6, "own launcher", 4, "cpu")}
+        {("6", "own launcher", 4, "cpu")}
     assert classify([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                     REPO / "day2/12_ddp_fault_tolerance.py"], cpu) == {(12, "torchrun", 2, "cpu")}
-    assert classify([PYTHON, REPO / "day1/1_torch_dist_gpu.py"], {}) == {(1, "own launcher", None, "gpu")}
+                     REPO / "day2/12_ddp_fault_tolerance.py"], cpu) == {("12", "torchrun", 2, "cpu")}
+    assert classify([PYTHON, REPO / "day1/1_torch_dist_gpu.py"], {}) == {("1", "own launcher", None, "gpu")}
+    assert classify([PYTHON, REPO / "day1/test-profile.py"], cpu) == {("test-profile", "own launcher", None, "cpu")}
+    assert classify([PYTHON, REPO / "data_tools/create_mnist_h5.py", "--out", tmp_path], cpu) == \
+        {("create_mnist_h5", "own launcher", None, "cpu")}
     job = tmp_path / "job.sh"
     job.write_text("#!/bin/bash\nsrun python day3/15_fsdp2.py --quick\n")
-    assert classify(["sbatch", "--parsable", job], cpu) == {(15, "Slurm (2 nodes)", None, "cpu")}
-    assert classify(["sbatch", REPO / "slurm/6_mnist_ddp_pt.sh"], cpu) == {(6, "Slurm (2 nodes)", None, "cpu")}
+    assert classify(["sbatch", "--parsable", job], cpu) == {("15", "Slurm (2 nodes)", None, "cpu")}
+    assert classify(["sbatch", REPO / "slurm/6_mnist_ddp_pt.sh"], cpu) == {("6", "Slurm (2 nodes)", None, "cpu")}
+    # the course's own script is not read for lesson names (its usage text names lesson 10)
+    assert classify(["sbatch", "--nodes=2", REPO / "day2/multinode_setup_and_run.sh", "--launcher", "srun",
+                     "9_torch_dist_multi_node.py"], cpu) == {("9", "Slurm (2 nodes)", None, "cpu")}
+    # slurm/submit.sh submits a launcher; --dry-run submits nothing; "--dry-run" after "--" is the lesson's
+    submit = ["bash", REPO / "slurm/submit.sh"]
+    assert classify([*submit, "15_fsdp2", "--site", "cpu-only", "--", "--quick"], cpu) == \
+        {("15", "Slurm (2 nodes)", None, "cpu")}
+    assert classify([*submit, "9", "--site", "x.env"], cpu) == {("9", "Slurm (2 nodes)", None, "cpu")}
+    assert classify([*submit, "test-profile", "--site", "cpu-only"], cpu) == \
+        {("test-profile", "Slurm (2 nodes)", None, "cpu")}
+    assert classify([*submit, "15_fsdp2", "--site", "cpu-only", "--dry-run"], cpu) == set()
     assert classify(["tensorboard", "--logdir", tmp_path], cpu) == set()
 
 
