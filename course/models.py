@@ -122,11 +122,18 @@ def add_vit_args(p, width: int = 64):
     return p
 
 
+# the lessons that only make sense with the ViT, and why
+VIT_ONLY = {"18_hardware_limits": "lesson 18 compares the FLOPs it counts with a transformer's formula",
+            "19_tensor_parallel": "tensor parallelism cuts the ViT's attention and MLP layers"}
+
+
 def check_vit_args(args) -> None:
     """The ViT's flags as one clear line, before any rank starts."""
-    if args.model == "vit" and args.width % args.heads:
-        from course.cli import CourseError
+    from course.cli import CourseError
 
+    if args.model != "vit" and getattr(args, "lesson", None) in VIT_ONLY:
+        raise CourseError(f"--model {args.model}: {VIT_ONLY[args.lesson]}; use --model vit")
+    if args.model == "vit" and args.width % args.heads:
         raise CourseError(f"--width {args.width} is not a multiple of --heads {args.heads}; choose a width "
                           f"such as {args.heads * 16}")
 
@@ -161,10 +168,8 @@ def check_tensor_parallel(args, degree: int) -> None:
     """One clear line, before any rank starts, when the ViT's heads do not divide among `degree` ranks."""
     from course.cli import CourseError
 
-    if args.model != "vit":
-        raise CourseError(f"--model {args.model}: tensor parallelism cuts the ViT's attention and MLP layers; "
-                          f"use --model vit")
     if args.heads % degree:
+        sizes = ", ".join(str(n) for n in range(1, args.heads + 1) if args.heads % n == 0)
         raise CourseError(f"--heads {args.heads} does not divide among {degree} tensor-parallel ranks (each rank "
-                          f"computes whole heads); use --heads {degree * max(1, args.heads // degree)} or a "
-                          f"world size that divides {args.heads}")
+                          f"computes whole heads); use {sizes} ranks, or --heads {degree} (or a multiple) with a "
+                          f"--width it divides")

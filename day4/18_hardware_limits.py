@@ -19,7 +19,9 @@ numbers say what each costs here.
   interfaces (loopback included, course/hardware.py) before and after the calls, divided among the
   ranks of this machine, against the bus formula's bytes per rank.  Measured here (torch 2.14.1, gloo):
   all_reduce and all_gather send what the formula says; gloo's reduce_scatter sends twice as much, as
-  much as an all_reduce.  NCCL's NVLink and InfiniBand traffic bypasses these counters.
+  much as an all_reduce: torch's gloo backend runs reduce_scatter_tensor as an all_reduce of a copy of the
+  input, of which each rank keeps its piece (NCCL's is a true reduce_scatter).  NCCL's NVLink and
+  InfiniBand traffic bypasses these counters.
 - The matrix-multiply peak: the FLOP/s of a square matmul in the run's precision on this rank's device,
   measured (2 n^3 FLOPs in t seconds): the most a training step could get from this device.
 - Step 1's FLOPs, counted by torch (`torch.utils.flop_counter.FlopCounterMode`: every matmul and
