@@ -19,12 +19,14 @@ def timed(call, iters: int, device) -> tuple:
             torch.cuda.synchronize(device)
 
     synchronize()
-    dist.barrier()
-    sent, start = sent_bytes(), time.perf_counter()
+    sent = sent_bytes()
+    dist.barrier()  # every rank of this machine has read the counters before any rank sends
+    start = time.perf_counter()
     for _ in range(iters):
         call()
     synchronize()
     seconds = torch.tensor([(time.perf_counter() - start) / iters], device=device)
+    dist.barrier()  # ... and every rank has sent everything before any reads them again
     sent = (sent_bytes() - sent) / iters
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return seconds.item(), sent

@@ -30,8 +30,10 @@ BY_OPTION = {"--watch-hardware": ("psutil", "tensorboard"), "--profile": ("tenso
 # The oldest torch release with what a lesson uses: (folder or lesson name, (major, minor), what it uses).
 TORCH_FROM = [("day3", (2, 6), "torch.distributed.fsdp.fully_shard, FSDP2's public API (lessons 15-16; "
                                "lessons 13-17 are tested with 2.14.1)"),
-              ("day4", (2, 6), "torch.distributed.tensor's public API: DTensor, parallelize_module, "
-                               "CommDebugMode (lessons 18-19 are tested with 2.14.1)")]
+              ("day4", (2, 14), "torch.distributed.all_gather_single and reduce_scatter_single, the names the "
+                                "collectives have since all_gather_into_tensor and reduce_scatter_tensor were "
+                                "deprecated, and DTensor's tensor parallelism (lessons 18-19 are tested with "
+                                "2.14.1)")]
 
 
 def needs(lesson: str, argv=()) -> list:

@@ -8,7 +8,9 @@ What each day's hands-on needs per learner, one rank per GPU (CPU-only: CPUS_PER
 - day 2: the multi-node lessons need 2 nodes; a learner takes 1 GPU on each (`--gpus-per-node 1`, 2 ranks),
   or the class works in pairs, each pair one allocation of 2 nodes (2 ranks on each) used in turns;
 - day 3: the FSDP2 and DCP lessons run RANKS_DAY3 ranks (lesson 16 resumes 4 -> 2), on one node or 2 x 2;
-  in pairs, one allocation per pair.
+  in pairs, one allocation per pair;
+- day 4: tensor parallelism runs RANKS_DAY4 ranks inside one node (its all_reduces need the node's fast
+  link), 2 where a node holds fewer; in pairs, one allocation per pair.
 Learners share a node when their ranks fit on it together (`salloc --gpus-per-node 1` or `--ntasks 2` asks
 for part of a node); `--exclusive` sites give each allocation whole nodes: then count one per learner.
 """
@@ -19,6 +21,7 @@ import sys
 RANKS_DAY1 = 2   # --nproc 2: what the notebooks and the quick sequence use; 4 is enough to see scaling in 7
 RANKS_DAY2 = 2   # one rank on each of 2 nodes, or 2 per node when a pair shares
 RANKS_DAY3 = 4
+RANKS_DAY4 = 4   # lesson 19 at --nproc 4 (4 heads: one each); 2 where a node holds fewer
 CPUS_PER_RANK = 2
 
 
@@ -43,8 +46,9 @@ def nodes_per_day(learners: int, gpus_per_node: int = 0, cpus_per_node: int = 0,
     day2_groups = math.ceil(learners / 2) if pairs else learners
     day2_ranks = 2 * RANKS_DAY2 if pairs else RANKS_DAY2
     day3_nodes = 1 if slots >= RANKS_DAY3 else 2
-    return {1: packed(RANKS_DAY1), 2: packed(day2_ranks, 2, day2_groups),
-            3: packed(RANKS_DAY3, day3_nodes, math.ceil(learners / 2) if pairs else learners)}
+    by_pair = math.ceil(learners / 2) if pairs else learners
+    return {1: packed(RANKS_DAY1), 2: packed(day2_ranks, 2, day2_groups), 3: packed(RANKS_DAY3, day3_nodes, by_pair),
+            4: packed(RANKS_DAY4 if slots >= RANKS_DAY4 else 2, 1, by_pair)}
 
 
 def main(argv=None) -> int:
@@ -53,7 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (0: a CPU-only cluster)")
     p.add_argument("--cpus-per-node", type=int, default=0, help="cores per node (CPU-only clusters)")
     p.add_argument("--exclusive", action="store_true", help="the site gives every allocation whole nodes")
-    p.add_argument("--pairs", action="store_true", help="days 2 and 3 in pairs: one allocation per pair, used in turns")
+    p.add_argument("--pairs", action="store_true", help="days 2-4 in pairs: one allocation per pair, used in turns")
     args = p.parse_args(argv)
     if args.learners < 1 or (args.gpus_per_node < 1 and args.cpus_per_node < 1):
         p.error("give --learners (at least 1) and --gpus-per-node or --cpus-per-node")

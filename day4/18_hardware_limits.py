@@ -5,7 +5,7 @@
     srun --ntasks=4 python day4/18_hardware_limits.py --sizes-mib 1 16 64
 
 Lesson 13's loop (DDP, fp32 by default), measured against what the machine can do, before day 4 splits
-the model itself (lessons 19-21): each way of splitting trades FLOPs for bytes sent, and these two
+the model itself (lesson 19): each way of splitting trades FLOPs for bytes sent, and these two
 numbers say what each costs here.
 - Before training, every rank runs all_reduce, all_gather and reduce_scatter on float32 tensors of
   --sizes-mib MiB, timed as nccl-tests times them (the slowest rank's seconds per call, t).  With S the
@@ -79,8 +79,8 @@ def bandwidth(device, n: int, local_ranks: int, sizes_mib: list, iters: int) -> 
             whole = torch.ones(int(mib * 2 ** 20) // (4 * n) * n, device=device)  # S: divisible among n ranks
             piece = torch.ones(whole.numel() // n, device=device)  # one rank's part of S
             call = {"all_reduce": lambda: dist.all_reduce(whole),  # DIST: every rank gets the sum of all
-                    "all_gather": lambda: dist.all_gather_into_tensor(whole, piece),  # DIST: the n pieces
-                    "reduce_scatter": lambda: dist.reduce_scatter_tensor(piece, whole)}[op]  # DIST: my piece's sum
+                    "all_gather": lambda: dist.all_gather_single(whole, piece),  # DIST: the n pieces
+                    "reduce_scatter": lambda: dist.reduce_scatter_single(piece, whole)}[op]  # DIST: my piece's sum
             call()  # warm-up: connections, buffers
             seconds, sent = hardware.timed(call, iters, device)  # DIST: the slowest rank's; this machine's bytes
             rows.append(dict(op=op, bytes=whole.nbytes, seconds=seconds, factor=factor, sent=sent / local_ranks))
@@ -129,7 +129,7 @@ def worker(info, args):
             flops = counting.get_total_flops() if step == 0 else flops  # this rank's, forward and backward
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
             optimizer.step()
-            step_seconds += (time.perf_counter() - begun) if step else 0.0  # step 1 counts FLOPs: not timed
+            step_seconds += (time.perf_counter() - begun) if step else 0.0  # step 1 is counted: not timed
             losses.append(loss.detach())
             norms.append(norm.detach())
             step += 1
@@ -173,7 +173,7 @@ def worker(info, args):
         plot_curves(run / "loss.png", {f"{args.precision}, {world_size} ranks": (range(1, step + 1), losses)},
                     "step", "training loss (mean over ranks)", f"{args.model}, global batch {global_batch}")
         print(f"{world_size} ranks x batch {args.batch_size} = global batch {global_batch}, {args.precision}: "
-              f"test accuracy {accuracy:.4f}; weights identical on all ranks: "
+              f"test accuracy {accuracy:.4f}; replicated weights identical on all ranks: "
               f"{identical}; outputs in {run}", flush=True)
     dist.destroy_process_group()
 

@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=4 day4/19_tensor_parallel.py --quick
     srun --ntasks=4 python day4/19_tensor_parallel.py
 
-Lesson 13's loop with DDP replaced by tensor parallelism (TP):
+Lesson 18's loop with DDP replaced by tensor parallelism (TP):
 - DDP and FSDP2 split the batch: each rank computes the whole model on its share of the samples.  TP splits
   the model's layers instead: each of the T ranks holds 1/T of every attention and MLP matrix, computes
   1/T of each layer's output for the whole batch, and the ranks add their partial results up with
@@ -17,23 +17,27 @@ Lesson 13's loop with DDP replaced by tensor parallelism (TP):
   cut become DTensors: `p.to_local()` is this rank's piece, `p.placements` says how it was cut (Shard(0):
   rows, Shard(1): columns, Replicate(): whole, as the row-wise layers' biases).  The embedding, the layer
   norms and the head stay plain tensors, whole on every rank, computed the same on every rank.
-- `parallelize_module` sends rank 0's weights to the others (each gets its piece), so every rank starts
-  from the same model, lesson 13's at the same seed.
+- `parallelize_module` sends rank 0's weights to the others (each keeps its piece), so every rank starts
+  from the same model, lesson 18's at the same seed.
 - Per block and step: 2 all_reduces in forward (the row-wise outputs) and 2 in backward (the gradients of
   the column-wise layers' inputs), each the size of the block's activations, [batch, tokens, width]:
-  torch's CommDebugMode counts them in step 1 and the lesson prints the count.  DDP sends the gradients
-  once per step, whatever the batch; TP sends activations 4 times per block, and so needs a fast link
-  (the GPUs of one node: NVLink), which is why it is kept inside a node (lesson 20).
-- The gradient clip: clip_grad_norm_ refuses a mix of DTensors and plain tensors, so the lesson takes the
-  norm of each group (the DTensors' squares are summed over the ranks: `full_tensor()`) and of the two
-  together, and clips both groups with it: the norm one process would compute.
+  torch's CommDebugMode counts them in step 1, and the lesson prices them with the all_reduce bandwidth it
+  measures first, as lesson 18 does.  DDP sends the gradients once per step, whatever the batch; TP sends
+  activations 4 times per block, more with a larger batch: it needs a fast link, the GPUs of one node
+  (NVLink), and is kept inside a node.
+- The gradient clip: clip_grad_norm_ refuses a list that mixes DTensors with plain tensors.  Under
+  `implicit_replication()` DTensor takes the plain tensors as whole (Replicate) DTensors, and the norm is
+  the one one process computes: the cut gradients' squares are summed over the ranks.  It is a DTensor,
+  the same on every rank (`full_tensor()`).
 - Evaluation runs the whole test set on every rank: every rank must run the same forward (its all_reduces
   add up the ranks' pieces of the same samples).
 - Each rank holds exactly 1/T of the cut parameters (and of their gradients and momentum), counted from
   their local pieces, and the whole of the rest; step 3's memory is measured as in lessons 13 and 15.
 - model.pt: the whole weights, gathered as in lesson 15 (rank 0 keeps them).
+- fp16 is not offered: its GradScaler stops with an error on gradients that mix DTensors and plain tensors
+  (torch 2.14.1); bf16 needs no scaler.
 --batch-size is the global batch: every rank computes on all of it.  --heads must divide among the ranks.
-Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line (the plan too).
+Tags: `# DDP:` what makes training data-parallel (none here); `# DIST:` any other torch.distributed line.
 """
 import sys
 import time
@@ -75,8 +79,8 @@ def bandwidth(device, n: int, local_ranks: int, sizes_mib: list, iters: int) -> 
             whole = torch.ones(int(mib * 2 ** 20) // (4 * n) * n, device=device)  # S: divisible among n ranks
             piece = torch.ones(whole.numel() // n, device=device)  # one rank's part of S
             call = {"all_reduce": lambda: dist.all_reduce(whole),  # DIST: every rank gets the sum of all
-                    "all_gather": lambda: dist.all_gather_into_tensor(whole, piece),  # DIST: the n pieces
-                    "reduce_scatter": lambda: dist.reduce_scatter_tensor(piece, whole)}[op]  # DIST: my piece's sum
+                    "all_gather": lambda: dist.all_gather_single(whole, piece),  # DIST: the n pieces
+                    "reduce_scatter": lambda: dist.reduce_scatter_single(piece, whole)}[op]  # DIST: my piece's sum
             call()  # warm-up: connections, buffers
             seconds, sent = hardware.timed(call, iters, device)  # DIST: the slowest rank's; this machine's bytes
             rows.append(dict(op=op, bytes=whole.nbytes, seconds=seconds, factor=factor, sent=sent / local_ranks))
@@ -122,7 +126,7 @@ def worker(info, args):
             with implicit_replication():  # DIST: clip_grad_norm_ takes the plain tensors as Replicate DTensors
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)  # DIST: all ranks'
             optimizer.step()
-            step_seconds += (time.perf_counter() - begun) if step else 0.0  # step 1 counts FLOPs: not timed
+            step_seconds += (time.perf_counter() - begun) if step else 0.0  # step 1 is counted: not timed
             losses.append(loss.detach())
             norms.append(norm.full_tensor().detach())  # DIST: the same norm on every rank
             step += 1
@@ -162,15 +166,13 @@ def worker(info, args):
         plot_curves(run / "loss.png", {f"{args.precision}, {world_size} ranks": (range(1, step + 1), losses)},
                     "step", "training loss (the same on every rank)", f"{args.model}, global batch {global_batch}")
         print(f"{world_size} tensor-parallel ranks, batch {global_batch} on every rank, {args.precision}: "
-              f"test accuracy {accuracy:.4f}; uncut parameters identical on all ranks: "
+              f"test accuracy {accuracy:.4f}; replicated weights identical on all ranks: "
               f"{identical}; outputs in {run}", flush=True)
     dist.destroy_process_group()
 
 
 def build_parser():
     p = cli.add_loader(cli.add_distributed(cli.parser(__doc__, "day4/19_tensor_parallel.py", nproc_default=2)))
-    p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0,
-                   help="DDP's gradient bucket size in MB")
     p.add_argument("--precision", default="fp32", choices=("bf16", "fp32"),
                    help="the dtype of autocast's matrix products (fp16 would need lesson 13's GradScaler)")
     p.add_argument("--sizes-mib", type=cli.positive_float, nargs="+", default=[0.25, 4.0, 16.0], help="sizes S, MiB")

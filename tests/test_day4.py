@@ -2,7 +2,7 @@
 (width 32, depth 2, 4 heads), one thread a rank.
 
 The reference is one process: lesson 18 at --nproc 1 (DDP over one rank, fp32), batch 32.  Lesson 19 at
-T = 2 (its own launcher) and T = 4 (torchrun) takes the same batches of 32 on every rank, from the same
+T = 2 (torchrun) and T = 4 (its own launcher) takes the same batches of 32 on every rank, from the same
 weights (seed 5), with SGD and momentum and the gradient clip active (lr 0.5, clip 0.5 against norms of
 1.0-1.6): it must end where the one process ends.
 
@@ -47,8 +47,8 @@ def runs(tmp_path_factory, dataset):
     root = tmp_path_factory.mktemp("day4")
     out = {}
     out["one"] = lesson(HARDWARE, *COMMON, "--nproc", "1", "--run-dir", root / "one", nproc=1)
-    out["tp2"] = lesson(TP, *COMMON, "--nproc", "2", "--run-dir", root / "tp2")
-    out["tp4"] = lesson(TP, *COMMON, "--run-dir", root / "tp4", launcher="torchrun", nproc=4)
+    out["tp2"] = lesson(TP, *COMMON, "--run-dir", root / "tp2", launcher="torchrun", nproc=2)
+    out["tp4"] = lesson(TP, *COMMON, "--nproc", "4", "--run-dir", root / "tp4")
     wire = [*COMMON[:-1], "4", "--max-steps", "2"]
     out["wire"] = run([*own_network(), PYTHON, REPO / HARDWARE, *wire, "--nproc", "2", "--run-dir", root / "wire"])
     return {name: (root / name, proc.stdout) for name, proc in out.items()}

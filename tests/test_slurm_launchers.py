@@ -379,6 +379,10 @@ RUNS = {
     "16_distributed_checkpoint": SMALL + ["--max-steps", "6", "--checkpoint-every", "3"],
     # the healthy run, then the --bug skip repro the launcher runs after it (a 5 s collective timeout)
     "17_debugging_hangs": SMALL + ["--max-steps", "6", "--save-every", "3", "--timeout", "5"],
+    # the collectives at one size, then 6 DDP steps, the first one's FLOPs counted
+    "18_hardware_limits": SMALL + ["--max-steps", "6", "--sizes-mib", "0.25"],
+    # 6 steps with every block cut over the 2 ranks, both on the whole batch
+    "19_tensor_parallel": SMALL + ["--max-steps", "6", "--sizes-mib", "0.25"],
     "create_mnist_h5": ["--chunk-samples", "500", "--output", "{work}/made-by-job.h5"],
 }
 JOB_TIMEOUT = 420
@@ -508,6 +512,25 @@ def check_17_debugging_hangs(log, work):
     assert re.search(r"\[rank 0\] error: rank 0 waited [\d.]+ s in barrier #\d+ .*; rank 1 last entered "
                      r"all_reduce #\d+ \(shape \[101770\]", log), log
     assert "the --bug skip repro failed on its own, as it should" in log
+
+
+def check_18_hardware_limits(log, work):
+    assert re.search(r"^all_reduce +0\.25 ", log, re.M) and re.search(r"^reduce_scatter +0\.25 ", log, re.M), log
+    ratio = float(re.search(r"step 1's FLOPs on this rank, counted by torch: .*\(counted / formula: ([\d.]+)\)",
+                            log).group(1))
+    assert 0.9 <= ratio <= 1.1, ratio  # the formula is a rule of thumb: within 10% (test_day4.py)
+    assert re.search(r"model FLOPs utilization \d+\.\d{3}", log) and "DDP all_reduces 0.556 MB of gradients per step" in log
+    assert "2 ranks x batch 64 = global batch 128, fp32: test accuracy" in log
+    assert "weights identical on all ranks: True" in log
+
+
+def check_19_tensor_parallel(log, work):
+    assert ("collectives in step 1, forward: 8 all_reduce (2 per block); backward: 8 all_reduce (2 per block)"
+            in log)
+    assert "each rank holds 0.5000 of the cut parameters (1/2 = 0.5000)" in log
+    assert "2 tensor-parallel ranks, batch 64 on every rank, fp32: test accuracy" in log
+    assert "uncut parameters identical on all ranks: True" in log
+    assert (work / "runs/19_tensor_parallel/model.pt").stat().st_size > 0
 
 
 def check_create_mnist_h5(log, work):
