@@ -169,7 +169,8 @@ def check_tensor_parallel(args, degree: int) -> None:
     from course.cli import CourseError
 
     if args.heads % degree:
-        sizes = ", ".join(str(n) for n in range(1, args.heads + 1) if args.heads % n == 0)
+        sizes = [str(n) for n in range(1, args.heads + 1) if args.heads % n == 0]
+        sizes = " or ".join([", ".join(sizes[:-1]), sizes[-1]] if len(sizes) > 1 else sizes)
         raise CourseError(f"--heads {args.heads} does not divide among {degree} tensor-parallel ranks (each rank "
                           f"computes whole heads); use {sizes} ranks, or --heads {degree} (or a multiple) with a "
                           f"--width it divides")
