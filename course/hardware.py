@@ -10,14 +10,16 @@ NET_DEV = Path("/proc/net/dev")
 
 
 def timed(call, iters: int, device) -> tuple:
-    """(seconds, bytes) per call: `iters` calls back to back, started together on every rank (a barrier),
-    ended when the device has finished them; the slowest rank's seconds (a collective ends for all when it
-    ends for the last), and the bytes this machine's network interfaces sent meanwhile (`sent_bytes`).
-    Every rank calls it."""
+    """(seconds, bytes) per call: one untimed call first (the first pays for connections, buffers, kernel
+    choice), then `iters` calls back to back, started together on every rank (a barrier), ended when the
+    device has finished them; the slowest rank's seconds (a collective ends for all when it ends for the
+    last), and the bytes this machine's network interfaces sent meanwhile (`sent_bytes`).  Every rank
+    calls it."""
     def synchronize():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    call()
     synchronize()
     sent = sent_bytes()
     dist.barrier()  # every rank of this machine has read the counters before any rank sends
@@ -48,17 +50,21 @@ def sent_bytes() -> int:
 def collectives_table(rows: list) -> None:
     """The collectives measured, one line each: time, algorithm and bus bandwidth, the bytes this machine
     sent per rank against the bus formula's (the algbw, busbw and formula's bytes are added to each row)."""
-    print(f"{'collective':<15}{'MiB':>8}{'ms':>9}{'algbw GB/s':>12}{'busbw GB/s':>12}{'sent MB/rank':>14}"
-          f"{'formula MB':>12}{'sent/formula':>14}", flush=True)
+    if not any(r["factor"] for r in rows):  # 2(n-1)/n = (n-1)/n = 0: one rank sends nothing
+        print("collectives: one rank, nothing to send (start 2 or more to measure them)", flush=True)
+    else:
+        print(f"{'collective':<15}{'MiB':>8}{'ms':>9}{'algbw GB/s':>12}{'busbw GB/s':>12}{'sent MB/rank':>14}"
+              f"{'formula MB':>12}{'sent/formula':>14}", flush=True)
     for r in rows:
         r["algbw_gbps"] = r["bytes"] / r["seconds"] / 1e9  # nccl-tests: S / t
         r["busbw_gbps"] = r["algbw_gbps"] * r["factor"]  # what each rank's link carries per second
         r["formula_per_rank"] = r["bytes"] * r["factor"]  # the bytes each rank sends (ring)
         ratio = f"{r['sent'] / r['formula_per_rank']:.3f}" if r["sent"] and r["formula_per_rank"] else "n/a"
-        print(f"{r['op']:<15}{r['bytes'] / 2 ** 20:>8.2f}{r['seconds'] * 1e3:>9.2f}{r['algbw_gbps']:>12.3f}"
-              f"{r['busbw_gbps']:>12.3f}{r['sent'] / 1e6:>14.3f}{r['formula_per_rank'] / 1e6:>12.3f}"
-              f"{ratio:>14}", flush=True)
-    if not any(r["sent"] for r in rows):
+        if r["factor"]:
+            print(f"{r['op']:<15}{r['bytes'] / 2 ** 20:>8.2f}{r['seconds'] * 1e3:>9.2f}{r['algbw_gbps']:>12.3f}"
+                  f"{r['busbw_gbps']:>12.3f}{r['sent'] / 1e6:>14.3f}{r['formula_per_rank'] / 1e6:>12.3f}"
+                  f"{ratio:>14}", flush=True)
+    if any(r["factor"] for r in rows) and not any(r["sent"] for r in rows):
         print("sent: n/a (no bytes through this machine's network interfaces: NCCL's NVLink, shared-memory and "
               "InfiniBand transfers bypass the kernel's counters)", flush=True)
 
@@ -80,6 +86,9 @@ def report(rows: list, flops: int, formula: float, peak: float, mfu: float, grad
           f"{flops / formula:.3f})", flush=True)
     print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; training steps reached {mfu * peak / 1e9:.1f} GFLOP/s: model FLOPs "
           f"utilization {mfu:.3f}", flush=True)
+    if not any(r["factor"] for r in rows):
+        print(f"DDP on one rank sends nothing; a training step took {step_seconds * 1e3:.1f} ms", flush=True)
+        return
     seconds, near = all_reduce_seconds(rows, gradient_bytes)
     print(f"DDP all_reduces {gradient_bytes / 1e6:.3f} MB of gradients per step: at the all_reduce bandwidth measured "
           f"at {near['bytes'] / 2 ** 20:.2f} MiB, about {seconds * 1e3:.1f} ms of a training step's "

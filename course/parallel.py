@@ -57,12 +57,15 @@ def report(rank: int, model, optimizer, rows: list, comms: dict, args, step_seco
         tokens = (28 // args.patch) ** 2
         activation = args.batch_size * tokens * args.width * (4 if args.precision == "fp32" else 2)
         count = sum(n for ops in comms.values() for op, n in ops.items() if op == "all_reduce")
-        seconds, near = all_reduce_seconds(rows, activation)
-        print(f"collectives in step 1, {describe(comms, args.depth)}; each all_reduce adds up one activation "
-              f"[batch {args.batch_size}, {tokens} tokens, width {args.width}], {activation / 1e6:.3f} MB in "
-              f"{args.precision}: at the all_reduce bandwidth measured at {near['bytes'] / 2 ** 20:.2f} MiB, "
-              f"{count} x {seconds * 1e3:.2f} ms = {count * seconds * 1e3:.1f} ms of a training step's "
-              f"{step_seconds * 1e3:.1f} ms", flush=True)
+        said = (f"collectives in step 1, {describe(comms, args.depth)}; each all_reduce adds up one activation "
+                f"[batch {args.batch_size}, {tokens} tokens, width {args.width}], {activation / 1e6:.3f} MB in "
+                f"{args.precision}")
+        if len(per_rank) > 1:
+            seconds, near = all_reduce_seconds(rows, activation)
+            said += (f": at the all_reduce bandwidth measured at {near['bytes'] / 2 ** 20:.2f} MiB, {count} x "
+                     f"{seconds * 1e3:.2f} ms = {count * seconds * 1e3:.1f} ms of a training step's "
+                     f"{step_seconds * 1e3:.1f} ms")
+        print(said, flush=True)
         cut = max(r["cut"] for r in per_rank) / per_rank[0]["cut_whole"]
         print(f"each rank holds {cut:.4f} of the cut parameters (1/{len(per_rank)} = {1 / len(per_rank):.4f}) and "
               f"all of the others: {max(r['total'] for r in per_rank) / MB:.3f} MB of parameters, gradients and "

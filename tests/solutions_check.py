@@ -1,5 +1,5 @@
 """Reading and running the exercises' solutions (solutions/<notebook>.md), for the checks in
-tests/test_solutions_day1.py, _day2.py and _day3.py (tests/test_solutions.py checks that every exercise has one).
+tests/test_solutions_day1.py, _day2.py, _day3.py and _day4.py (tests/test_solutions.py checks that every exercise has one).
 
 A check runs the commands of its section's first ```bash block, as written there (`python` is this
 interpreter, `torchrun` is `python -m torch.distributed.run`, with `--standalone` added when a command names

@@ -256,4 +256,4 @@ md(f"Exit code {code} after {seconds:.1f} s. Rank 1's last collective: **{one.gr
 #    solutions/17_detail.py` (two ranks all_reduce 4 and 5 numbers). Expect both ranks to fail within a
 #    fraction of a second, each naming `TensorShape=[4]` and `TensorShape=[5]`.
 #
-# This is the course's last lesson: back to the [course overview](../README.md).
+# Next: [lesson 18](18_hardware_limits.ipynb): what the hardware allows, before day 4 splits the model.
