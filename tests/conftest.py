@@ -187,6 +187,7 @@ LONGEST_FIRST = [
     "test_day2_slurm.py",  # 273
     "test_benchmark.py", "test_day3_dcp.py", "test_profile_tensorboard.py", "test_day3_precision.py",  # 198-174
     "test_day3_fsdp.py", "test_day3_hangs.py",  # 172-155
+    "test_day4.py", "test_solutions_day4.py",  # ~100, ~55
 ]
 
 
