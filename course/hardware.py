@@ -70,10 +70,24 @@ def collectives_table(rows: list) -> None:
 
 
 def all_reduce_seconds(rows: list, nbytes: float) -> tuple:
-    """(seconds, the row used): an all_reduce of `nbytes` at the algorithm bandwidth measured at the
-    nearest size."""
-    near = min((r for r in rows if r["op"] == "all_reduce"), key=lambda r: abs(r["bytes"] - nbytes))
-    return nbytes / (near["bytes"] / near["seconds"]), near
+    """(seconds, how): what an all_reduce of `nbytes` takes, from the all_reduces measured: interpolated
+    between the two sizes around it; below the smallest size measured, that size's time (a smaller message
+    takes at most about as long: small messages pay a fixed latency, not their bytes); above the largest,
+    at the largest's algorithm bandwidth.  `how` says which, for the printed line."""
+    measured = sorted((r["bytes"], r["seconds"]) for r in rows if r["op"] == "all_reduce")
+    mib = lambda n: f"{n / 2 ** 20:g} MiB"
+    below = [m for m in measured if m[0] <= nbytes]
+    above = [m for m in measured if m[0] >= nbytes]
+    if below and above:
+        (s0, t0), (s1, t1) = below[-1], above[0]
+        seconds = t0 if s1 == s0 else t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0)
+        how = f"the all_reduce measured at {mib(s0)}" if s1 == s0 else \
+            f"between the all_reduces measured at {mib(s0)} and {mib(s1)}"
+        return seconds, how
+    if above:  # smaller than every size measured
+        return above[0][1], f"at most the all_reduce measured at {mib(above[0][0])}, the smallest measured"
+    s, t = below[-1]
+    return nbytes / (s / t), f"at the bandwidth of the all_reduce measured at {mib(s)}, the largest measured"
 
 
 def report(rows: list, flops: int, formula: float, peak: float, mfu: float, gradient_bytes: int,
@@ -89,7 +103,6 @@ def report(rows: list, flops: int, formula: float, peak: float, mfu: float, grad
     if not any(r["factor"] for r in rows):
         print(f"DDP on one rank sends nothing; a training step took {step_seconds * 1e3:.1f} ms", flush=True)
         return
-    seconds, near = all_reduce_seconds(rows, gradient_bytes)
-    print(f"DDP all_reduces {gradient_bytes / 1e6:.3f} MB of gradients per step: at the all_reduce bandwidth measured "
-          f"at {near['bytes'] / 2 ** 20:.2f} MiB, about {seconds * 1e3:.1f} ms of a training step's "
-          f"{step_seconds * 1e3:.1f} ms", flush=True)
+    seconds, how = all_reduce_seconds(rows, gradient_bytes)
+    print(f"DDP all_reduces {gradient_bytes / 1e6:.3f} MB of gradients per step: {how}, about "
+          f"{seconds * 1e3:.1f} ms of a training step's {step_seconds * 1e3:.1f} ms", flush=True)

@@ -61,10 +61,9 @@ def report(rank: int, model, optimizer, rows: list, comms: dict, args, step_seco
                 f"[batch {args.batch_size}, {tokens} tokens, width {args.width}], {activation / 1e6:.3f} MB in "
                 f"{args.precision}")
         if len(per_rank) > 1:
-            seconds, near = all_reduce_seconds(rows, activation)
-            said += (f": at the all_reduce bandwidth measured at {near['bytes'] / 2 ** 20:.2f} MiB, {count} x "
-                     f"{seconds * 1e3:.2f} ms = {count * seconds * 1e3:.1f} ms of a training step's "
-                     f"{step_seconds * 1e3:.1f} ms")
+            seconds, how = all_reduce_seconds(rows, activation)
+            said += (f": {how}, {count} x {seconds * 1e3:.2f} ms = {count * seconds * 1e3:.1f} ms of a "
+                     f"training step's {step_seconds * 1e3:.1f} ms")
         print(said, flush=True)
         cut = max(r["cut"] for r in per_rank) / per_rank[0]["cut_whole"]
         print(f"each rank holds {cut:.4f} of the cut parameters (1/{len(per_rank)} = {1 / len(per_rank):.4f}) and "

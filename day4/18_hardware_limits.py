@@ -32,7 +32,8 @@ numbers say what each costs here.
   GPU kernels' formulas, torch's own `sdpa_flop_count` and `sdpa_backward_flop_count`.
 - Model FLOPs utilization (MFU): the counted FLOPs per step x steps / the training steps' seconds / the
   peak: the fraction of the device's matmul speed training achieves.  And DDP's gradient all_reduce per
-  step (the parameters' bytes) at the measured bus bandwidth: what communication costs each step.
+  step (the parameters' bytes), timed from the all_reduces measured at the sizes around it: what
+  communication costs each step.
 --batch-size is per rank.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
@@ -184,7 +185,7 @@ def build_parser():
                    help="DDP's gradient bucket size in MB")
     p.add_argument("--precision", default="fp32", choices=("bf16", "fp32"),
                    help="the dtype of autocast's matrix products (fp16 would need lesson 13's GradScaler)")
-    p.add_argument("--sizes-mib", type=cli.positive_float, nargs="+", default=[0.25, 4.0, 16.0], help="sizes S, MiB")
+    p.add_argument("--sizes-mib", type=cli.positive_float, nargs="+", default=[0.25, 1.0, 4.0, 16.0], help="sizes S, MiB")
     p.add_argument("--clip-grad-norm", type=cli.positive_float, default=1.0,
                    help="clip the gradients' total norm to this")
     return add_profile_args(add_vit_args(p))

@@ -175,7 +175,7 @@ def build_parser():
     p = cli.add_loader(cli.add_distributed(cli.parser(__doc__, "day4/19_tensor_parallel.py", nproc_default=2)))
     p.add_argument("--precision", default="fp32", choices=("bf16", "fp32"),
                    help="the dtype of autocast's matrix products (fp16 would need lesson 13's GradScaler)")
-    p.add_argument("--sizes-mib", type=cli.positive_float, nargs="+", default=[0.25, 4.0, 16.0], help="sizes S, MiB")
+    p.add_argument("--sizes-mib", type=cli.positive_float, nargs="+", default=[0.25, 1.0, 4.0, 16.0], help="sizes S, MiB")
     p.add_argument("--clip-grad-norm", type=cli.positive_float, default=1.0,
                    help="clip the gradients' total norm to this")
     return add_profile_args(add_vit_args(p))

@@ -113,8 +113,9 @@ ref = flat["DDP (lesson 13)"]
 diff = {name: ((flat[name] - ref).norm() / ref.norm()).item() for name in runs if name.startswith("FSDP2")}
 same = torch.equal(flat["FSDP2, reshard"], flat["FSDP2, keep"])
 md(f"After {m['DDP (lesson 13)']['steps']} steps the FSDP2 weights differ from DDP's by "
-   f"{diff['FSDP2, reshard']:.1e} (relative, the whole weight vector): float32 rounding, because the sums "
-   f"run in another order (reduce_scatter instead of all_reduce). The two FSDP2 runs are "
+   f"{diff['FSDP2, reshard']:.1e} (relative, the whole weight vector): float32 rounding, because some sums "
+   f"run in another order (the gradient clip's norm, for one: over each rank's shards, then across the "
+   f"ranks). The two FSDP2 runs are "
    + ("**bit for bit the same**: keeping the gathered parameters changes where they live, not the arithmetic."
       if same else f"{((flat['FSDP2, reshard'] - flat['FSDP2, keep']).norm() / ref.norm()).item():.1e} apart."))
 

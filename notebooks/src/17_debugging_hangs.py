@@ -141,11 +141,16 @@ def sections(page):
     return {int(r): html.unescape(re.sub(r"<[^>]+>", "", text)).strip() for r, text in zip(parts[1::2], parts[2::2])}
 
 
+LESSON_FRAME = re.compile(r'17_debugging_hangs\.py(?:", line |:)\d')  # faulthandler's and py-spy's frame lines
+
+
 def main_thread(text):
-    """The stack of the thread that runs the lesson, from its top down to the lesson's line."""
-    block = next((b for b in re.split(r"\n(?=Thread |Current thread )", text) if "17_debugging_hangs.py" in b), "")
+    """The stack of the thread that runs the lesson, from its top down to the lesson's line (faulthandler's
+    format or py-spy's: its header, which names the script, and its colours left out)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    block = next((b for b in re.split(r"\n(?=Thread |Current thread )", text)[1:] if LESSON_FRAME.search(b)), "")
     lines = block.strip().splitlines()
-    return "\n".join(lines[:next((i + 1 for i, l in enumerate(lines) if "17_debugging_hangs.py" in l), 0)])
+    return "\n".join(lines[:next((i + 1 for i, l in enumerate(lines) if LESSON_FRAME.search(l)), 0)])
 
 
 stacks = sections("stacks")

@@ -45,9 +45,10 @@ RUN = run_dir("18_hardware_limits")
 # ## The picture: what a rank must send
 #
 # The ring formulas, before any measurement: the bytes each rank sends per call, as a multiple of the
-# tensor's size S. An all_reduce sends almost 2S per rank however many ranks there are, an all_gather or
-# a reduce_scatter almost S. The time of a call therefore hardly depends on n once the link is the limit,
-# which is why busbw, not algbw, is the number to compare across world sizes.
+# tensor's size S. An all_reduce sends 2(n-1)/n S per rank: S at 2 ranks, approaching 2S as ranks are
+# added; an all_gather or a reduce_scatter (n-1)/n S, approaching S. With a link of its own per rank the
+# time of a call therefore grows with n by at most these factors, while algbw = S / t falls: busbw, not
+# algbw, is the number to compare across world sizes.
 
 # %%
 show_table([{"ranks n": n, "all_reduce: bytes sent per rank / S = busbw / algbw": 2 * (n - 1) / n,
@@ -114,8 +115,11 @@ if m["world_size"] == 1:
     md("One rank: a collective over one process sends nothing, so there is no bus bandwidth to read (run it "
        "with more ranks).")
 else:
-    small, large, best = ar[0], ar[-1], max(ar, key=lambda r: r["busbw_gbps"])
+    # the smallest size whose call was not slower than a larger one's: a noisy point is not a latency
+    small = next(r for i, r in enumerate(ar) if all(r["seconds"] <= q["seconds"] for q in ar[i + 1:]))
+    large, best = ar[-1], max(ar, key=lambda r: r["busbw_gbps"])
     grew, slower = large["bytes"] / small["bytes"], large["seconds"] / small["seconds"]
+    noisy = [r for r in ar if r["bytes"] < small["bytes"]]
     md(f"The all_reduce's bus bandwidth went from {small['busbw_gbps']:.3f} GB/s at "
        f"{small['bytes'] / 2 ** 20:g} MiB to {best['busbw_gbps']:.3f} GB/s at {best['bytes'] / 2 ** 20:g} MiB "
        f"({best['busbw_gbps'] / small['busbw_gbps']:.1f}x). From {small['bytes'] / 2 ** 20:g} to "
@@ -126,6 +130,9 @@ else:
           f"run to run.)" if slower < grew / 2 else
           f"{slower:.1f}x, about as much: at these sizes the bytes, not the fixed cost of a call, set the "
           f"time.")
+       + (f" The {', '.join(f'{r['bytes'] / 2 ** 20:g}' for r in noisy)} MiB call took longer than a larger "
+          f"one's: that is noise (each size is timed over 5 calls), not latency, and it is left out above."
+          if noisy else "")
        + f" {m['world_size']} ranks on {'GPUs' if not DEVICE else 'this machine'} with {m['backend']}: "
        + ("the ranks share this machine's cores, and the bytes go through the kernel's loopback, which makes "
           "these numbers this machine's, not a network's." if DEVICE else
@@ -196,14 +203,14 @@ from course.hardware import all_reduce_seconds
 peak, mfu = m["matmul_peak_flops"], m["mfu"]
 step = m["flops_per_step"] / (mfu * peak) if mfu else float("nan")  # seconds per timed step, from the MFU
 grads = 4 * params  # fp32 gradients, all_reduced by DDP every step
-seconds, near = all_reduce_seconds(rows, grads)
+seconds, how = all_reduce_seconds(rows, grads)
 md(f"One large square matrix product reached **{peak / 1e9:.1f} GFLOP/s** on each rank's "
    f"{'GPU' if not DEVICE else 'share of the CPU'}; the training steps reached {mfu * peak / 1e9:.1f} GFLOP/s: "
    f"**MFU {mfu:.3f}**. A step multiplies matrices of {batch * tokens} x {WIDTH} by {WIDTH} x {3 * WIDTH} and "
    f"smaller, far from the shape that reaches the peak, and spends time on what counts no FLOPs: layer norms, "
    f"softmax, GELU, the gradient clip, the optimizer, Python, and DDP's all_reduce.\n\n"
-   + (f"DDP all_reduces the {grads / 1e6:.3f} MB of gradients every step. At the all_reduce bandwidth "
-      f"measured at {near['bytes'] / 2 ** 20:g} MiB that takes about {seconds * 1e3:.1f} ms, "
+   + (f"DDP all_reduces the {grads / 1e6:.3f} MB of gradients every step. Timed from the table ({how}), "
+      f"that takes about {seconds * 1e3:.1f} ms, "
       f"{seconds / step:.0%} of the {step * 1e3:.0f} ms a step took. Whatever splits the model instead "
       f"(next lesson) sends other bytes at other moments; this table prices them." if m["world_size"] > 1 else
       "With one rank DDP sends nothing."))

@@ -35,7 +35,7 @@ WIDTH, DEPTH, BATCH = 16 * HEADS, 4, 32
 # the same weights, batches, learning rate and gradient clip (at a norm of 0.5) in every run
 ARGS = ["--width", str(WIDTH), "--depth", str(DEPTH), "--heads", str(HEADS), "--batch-size", str(BATCH),
         "--precision", "fp32", "--clip-grad-norm", "0.5", "--lr", "0.5", "--seed", "5", "--loader", "memory",
-        "--sizes-mib", "0.25"]
+        "--sizes-mib", "0.125", "0.25"]
 # one GPU per rank, or every rank on the CPU (NCCL cannot put two ranks on one GPU)
 DEVICE = [] if gpu_count() >= NPROC else ["--device", "cpu"]
 RUN = run_dir("19_tensor_parallel")
@@ -168,7 +168,7 @@ show_table([{"phase": phase, "collective": op, "calls in step 1": n, "per block"
 tokens = (28 // 7) ** 2
 activation = BATCH * tokens * WIDTH * 4  # one [batch, tokens, width] tensor in fp32
 count = sum(n for ops in comms.values() for op, n in ops.items() if op == "all_reduce")
-seconds, near = all_reduce_seconds(m["tp"]["collectives"], activation)
+seconds, how = all_reduce_seconds(m["tp"]["collectives"], activation)
 step_tp = m["tp"]["step_seconds"]
 step_one = m["one"]["flops_per_step"] / (m["one"]["mfu"] * m["one"]["matmul_peak_flops"])
 grads = 4 * params
@@ -178,18 +178,18 @@ md(f"Step 1 issued {sum(comms.get('forward', {}).values())} all_reduces in forwa
    f"(that input is a layer norm's output, whole on every rank; each rank's rows of the weight give a part of "
    f"its gradient). Each adds up "
    f"one activation [{BATCH}, {tokens}, {WIDTH}] of {activation / 1e6:.3f} MB: {count * activation / 1e6:.2f} MB "
-   f"per step in {count} calls. At the all_reduce bandwidth measured at {near['bytes'] / 2 ** 20:g} MiB that "
-   f"is about {count * seconds * 1e3:.1f} ms of the {step_tp * 1e3:.0f} ms a TP step took.\n\n"
+   f"per step in {count} calls. Timed from the all_reduces measured before training ({how}), that is about "
+   f"{count * seconds * 1e3:.1f} ms of the {step_tp * 1e3:.0f} ms a TP step took.\n\n"
    f"DDP over the same {NPROC} ranks would all_reduce the {grads / 1e6:.3f} MB of gradients once per step, "
    f"whatever the batch. TP sends {count * activation / grads:.1f}x those bytes here, and its all_reduces grow "
    f"with the batch (exercise 3); every one of them sits between two layers, so the rank waits for it. "
    f"A TP step took {step_tp * 1e3:.0f} ms and the one process's step {step_one * 1e3:.0f} ms "
    f"({step_tp / step_one:.2f}x, one run each)"
    + (f". The all_reduces, priced above, account for about {min(1, count * seconds / (step_tp - step_one)):.0%} "
-      f"of the difference. The rest is work that is not arithmetic: before every operation on a DTensor, torch "
-      f"works out in Python how its inputs are cut and how its output will be, which for matrix products as "
-      f"small as this model's can cost more than the products themselves; and each rank multiplies matrices "
-      f"1/{NPROC} as large, which uses the device less well. TP pays where a model's layers are too large for "
+      f"of the difference. This run does not break down the rest; two costs it does not time are likely part "
+      f"of it: before every operation on a DTensor torch works out, in Python, how its inputs are cut and how "
+      f"its output will be, a cost per operation that matters for matrix products as small as this model's; "
+      f"and each rank multiplies matrices 1/{NPROC} as large, which uses the device less well. TP pays where a model's layers are too large for "
       f"one device, or its matrices large enough to keep every device busy with 1/T of them, with a link as "
       f"fast as NVLink between the GPUs of one node." if step_tp > step_one else
       ": faster than one process here, each rank doing 1/T of the matrix products."))
