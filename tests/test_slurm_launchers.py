@@ -529,7 +529,7 @@ def check_19_tensor_parallel(log, work):
             in log)
     assert "each rank holds 0.5000 of the cut parameters (1/2 = 0.5000)" in log
     assert "2 tensor-parallel ranks, batch 64 on every rank, fp32: test accuracy" in log
-    assert "uncut parameters identical on all ranks: True" in log
+    assert "replicated weights identical on all ranks: True" in log
     assert (work / "runs/19_tensor_parallel/model.pt").stat().st_size > 0
 
 

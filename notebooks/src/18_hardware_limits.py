@@ -130,7 +130,7 @@ else:
           f"run to run.)" if slower < grew / 2 else
           f"{slower:.1f}x, about as much: at these sizes the bytes, not the fixed cost of a call, set the "
           f"time.")
-       + (f" The {', '.join(f'{r['bytes'] / 2 ** 20:g}' for r in noisy)} MiB call took longer than a larger "
+       + (f" The {', '.join('%g' % (r['bytes'] / 2 ** 20) for r in noisy)} MiB call took longer than a larger "
           f"one's: that is noise (each size is timed over 5 calls), not latency, and it is left out above."
           if noisy else "")
        + f" {m['world_size']} ranks on {'GPUs' if not DEVICE else 'this machine'} with {m['backend']}: "
