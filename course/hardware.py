@@ -47,10 +47,15 @@ def sent_bytes() -> int:
     return total
 
 
+def one_rank(rows: list) -> bool:
+    """Whether the collectives were measured on one rank: 2(n-1)/n = (n-1)/n = 0, nothing is sent."""
+    return not any(r["factor"] for r in rows)
+
+
 def collectives_table(rows: list) -> None:
     """The collectives measured, one line each: time, algorithm and bus bandwidth, the bytes this machine
     sent per rank against the bus formula's (the algbw, busbw and formula's bytes are added to each row)."""
-    if not any(r["factor"] for r in rows):  # 2(n-1)/n = (n-1)/n = 0: one rank sends nothing
+    if one_rank(rows):
         print("collectives: one rank, nothing to send (start 2 or more to measure them)", flush=True)
     else:
         print(f"{'collective':<15}{'MiB':>8}{'ms':>9}{'algbw GB/s':>12}{'busbw GB/s':>12}{'sent MB/rank':>14}"
@@ -64,7 +69,7 @@ def collectives_table(rows: list) -> None:
             print(f"{r['op']:<15}{r['bytes'] / 2 ** 20:>8.2f}{r['seconds'] * 1e3:>9.2f}{r['algbw_gbps']:>12.3f}"
                   f"{r['busbw_gbps']:>12.3f}{r['sent'] / 1e6:>14.3f}{r['formula_per_rank'] / 1e6:>12.3f}"
                   f"{ratio:>14}", flush=True)
-    if any(r["factor"] for r in rows) and not any(r["sent"] for r in rows):
+    if not one_rank(rows) and not any(r["sent"] for r in rows):
         print("sent: n/a (no bytes through this machine's network interfaces: NCCL's NVLink, shared-memory and "
               "InfiniBand transfers bypass the kernel's counters)", flush=True)
 
@@ -100,7 +105,7 @@ def report(rows: list, flops: int, formula: float, peak: float, mfu: float, grad
           f"{flops / formula:.3f})", flush=True)
     print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; training steps reached {mfu * peak / 1e9:.1f} GFLOP/s: model FLOPs "
           f"utilization {mfu:.3f}", flush=True)
-    if not any(r["factor"] for r in rows):
+    if one_rank(rows):
         print(f"DDP on one rank sends nothing; a training step took {step_seconds * 1e3:.1f} ms", flush=True)
         return
     seconds, how = all_reduce_seconds(rows, gradient_bytes)

@@ -1,9 +1,8 @@
 """Day 4's bookkeeping: the collectives a step issued (counted by torch's CommDebugMode), and what each rank
 holds of the layers tensor parallelism cut (its pieces, against the whole)."""
-import torch
 import torch.distributed as dist
 
-from course.hardware import all_reduce_seconds, collectives_table
+from course.hardware import all_reduce_seconds, collectives_table, one_rank
 from course.memory import MB, held, nbytes
 from course.output import rank_print
 
@@ -60,7 +59,7 @@ def report(rank: int, model, optimizer, rows: list, comms: dict, args, step_seco
         said = (f"collectives in step 1, {describe(comms, args.depth)}; each all_reduce adds up one activation "
                 f"[batch {args.batch_size}, {tokens} tokens, width {args.width}], {activation / 1e6:.3f} MB in "
                 f"{args.precision}")
-        if len(per_rank) > 1:
+        if not one_rank(rows):
             seconds, how = all_reduce_seconds(rows, activation)
             said += (f": {how}, {count} x {seconds * 1e3:.2f} ms = {count * seconds * 1e3:.1f} ms of a "
                      f"training step's {step_seconds * 1e3:.1f} ms")

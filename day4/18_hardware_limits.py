@@ -82,7 +82,6 @@ def bandwidth(device, n: int, local_ranks: int, sizes_mib: list, iters: int) -> 
             call = {"all_reduce": lambda: dist.all_reduce(whole),  # DIST: every rank gets the sum of all
                     "all_gather": lambda: dist.all_gather_single(whole, piece),  # DIST: the n pieces
                     "reduce_scatter": lambda: dist.reduce_scatter_single(piece, whole)}[op]  # DIST: my piece's sum
-            call()  # warm-up: connections, buffers
             seconds, sent = hardware.timed(call, iters, device)  # DIST: the slowest rank's; this machine's bytes
             rows.append(dict(op=op, bytes=whole.nbytes, seconds=seconds, factor=factor, sent=sent / local_ranks))
     return rows
