@@ -281,6 +281,16 @@ class SlurmCluster:
         fields = re.findall(r"(\S+?)=(.*?)(?=\s+\S+?=|\s*$)", shown.stdout.strip())
         return dict(fields)
 
+    def jobs_info(self) -> dict[int, dict[str, str]]:
+        """Every job Slurm still knows (MinJobAge after it ended), by id: one `scontrol show job` for all."""
+        shown = self.run(["scontrol", "show", "job", "--oneliner"], timeout=30)
+        jobs = {}
+        for line in shown.stdout.splitlines() if shown.returncode == 0 else []:
+            fields = dict(re.findall(r"(\S+?)=(.*?)(?=\s+\S+?=|\s*$)", line.strip()))
+            if fields.get("JobId", "").isdigit():
+                jobs[int(fields["JobId"])] = fields
+        return jobs
+
     def wait_for_idle_nodes(self, timeout: float = 30.0) -> None:
         """Returns once sinfo shows every node idle (e.g. after a previous test's job); raises with logs if not."""
         def states() -> dict[str, str]:

@@ -226,8 +226,8 @@ md(f"One large square matrix product reached **{peak / 1e9:.1f} GFLOP/s** on eac
 # Solutions, with the commands and what they print: [`solutions/18_hardware_limits.md`](../solutions/18_hardware_limits.md).
 #
 # 1. `--sizes-mib 0.0625 1 16 64` with a small ViT (`--width 32 --depth 2`): the all_reduce's bus
-#    bandwidth grows several times over from 0.0625 to 64 MiB, and the 0.0625 MiB call takes far more than
-#    1/16 of the 1 MiB call's time: latency dominates small messages.
+#    bandwidth grows several times over from 0.0625 to 64 MiB: the 0.0625 MiB call takes several times
+#    longer than its bytes would at 64 MiB's bandwidth, a fixed cost per call (latency) dominates it.
 # 2. The same with `--nproc 4 --sizes-mib 1 16`: each rank now sends 1.5 S per all_reduce instead of S (the
 #    formula's 25.166 MB against 16.777 MB at 16 MiB), and busbw = 1.5 x algbw instead of 1 x: bus bandwidth
 #    is the number that stays comparable across world sizes, algorithm bandwidth is not.
