@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -41,9 +42,21 @@ _failed = []
 _enabled = bool(os.environ.get("COURSE_RUN_RECORD"))
 
 
+def words(argv: list) -> list:
+    """The command's words; an argument holding a whole command line (`bash -c "..."`, `sbatch --wrap "..."`,
+    a string run through a shell) split as the shell would."""
+    out = []
+    for a in map(str, argv):
+        try:
+            out += shlex.split(a) if any(c.isspace() for c in a) else [a]
+        except ValueError:  # unbalanced quotes: not a command line
+            out.append(a)
+    return out
+
+
 def classify(argv: list, env: dict = None) -> set:
     """{(lesson number, how, world size or None, device)} named by one command line."""
-    args = [str(a) for a in argv]
+    args = words(argv)
     env = os.environ if env is None else env
     device = "cpu" if env.get("CUDA_VISIBLE_DEVICES", None) == "" or "--device" in args and \
         args[args.index("--device") + 1] == "cpu" else "gpu"
@@ -70,7 +83,7 @@ def classify(argv: list, env: dict = None) -> set:
     if not any(lessons):
         return found
     number = lesson_id(next(m for m in lessons if m))
-    if "torch.distributed.run" in args or (names and names[0] == "torchrun"):
+    if "torch.distributed.run" in args or "torchrun" in names:
         world = next((int(a.split("=", 1)[1]) for a in args if a.startswith("--nproc_per_node=")), None)
         found.add((number, "torchrun", world, device))
     else:
@@ -105,21 +118,31 @@ def pytest_runtest_logreport(report):
         _failed.append(report.nodeid)
 
 
+def worker_record(seen: dict, failed: list) -> str:
+    """A worker's record of its tests that passed, as JSON (the world size None where none was given)."""
+    return json.dumps({k: sorted(v, key=lambda x: tuple(str(f) for f in x)) for k, v in seen.items()
+                       if k not in failed})
+
+
+def merge(seen: dict, record: str) -> None:
+    """A worker's record added to `seen`."""
+    for nodeid, found in json.loads(record).items():
+        seen.setdefault(nodeid, set()).update(tuple(x) for x in found)
+
+
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: without xdist there are no workers
 def pytest_testnodedown(node, error):
     """xdist: a worker's record comes back in its workeroutput."""
-    rows = getattr(node, "workeroutput", {}).get("course_ran_on")
-    if rows:
-        for nodeid, found in json.loads(rows).items():
-            _seen.setdefault(nodeid, set()).update(tuple(x) for x in found)
+    record = getattr(node, "workeroutput", {}).get("course_ran_on")
+    if record:
+        merge(_seen, record)
 
 
 def pytest_sessionfinish(session, exitstatus):
     if not _enabled:
         return
     if hasattr(session.config, "workerinput"):  # an xdist worker: hand its record to the controller
-        passed = {k: sorted(v) for k, v in _seen.items() if k not in _failed}
-        session.config.workeroutput["course_ran_on"] = json.dumps(passed)
+        session.config.workeroutput["course_ran_on"] = worker_record(_seen, _failed)
         return
     if exitstatus != 0 or _failed:
         print(f"\nran_on: {len(_failed)} test(s) failed: no record written", file=sys.stderr)

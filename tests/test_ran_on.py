@@ -7,7 +7,7 @@ from conftest import PYTHON, REPO, run
 
 sys.path.insert(0, str(REPO / "scripts"))
 import ran_on as page  # noqa: E402  scripts/ran_on.py
-from tests.ran_on import classify  # noqa: E402
+from tests.ran_on import classify, merge, worker_record  # noqa: E402
 
 
 def test_the_page_is_what_the_records_give():
@@ -40,16 +40,34 @@ def test_commands_are_classified_by_lesson_launcher_and_world_size(tmp_path):
         {("test-profile", "Slurm (2 nodes)", None, "cpu")}
     assert classify([*submit, "15_fsdp2", "--site", "cpu-only", "--dry-run"], cpu) == set()
     assert classify(["tensorboard", "--logdir", tmp_path], cpu) == set()
+    # a command line in one argument: sbatch --wrap, bash -c, a string run through a shell
+    assert classify(["sbatch", "--nodes=2", "--wrap", f"srun {PYTHON} -u {REPO}/day3/17_debugging_hangs.py --bug skip"],
+                    cpu) == {("17", "Slurm (2 nodes)", None, "cpu")}
+    assert classify(["bash", "-c", "cd /x && torchrun --nproc_per_node=2 day3/15_fsdp2.py --device cpu"], {}) == \
+        {("15", "torchrun", 2, "cpu")}
+    assert classify([f"srun --ntasks=4 {PYTHON} day2/9_torch_dist_multi_node.py"], cpu) == \
+        {("9", "Slurm (2 nodes)", None, "cpu")}
+
+
+def test_a_workers_record_reaches_the_controller_whole():
+    """One test that ran a lesson with a world size and without one: the worker's record still sorts."""
+    seen = {"t::a": {("17", "own launcher", None, "cpu"), ("17", "own launcher", 2, "cpu")},
+            "t::b": {("9", "Slurm (2 nodes)", None, "cpu")}, "t::failed": {("1", "own launcher", 3, "cpu")}}
+    merged = {}
+    merge(merged, worker_record(seen, ["t::failed"]))
+    assert merged == {k: v for k, v in seen.items() if k != "t::failed"}
 
 
 def test_a_session_that_passes_writes_its_record_and_one_that_fails_writes_none(tmp_path):
     record = tmp_path / "r.json"
     env = {"COURSE_RUN_RECORD": str(record)}
-    run([PYTHON, "-m", "pytest", "-p", "tests.ran_on", "-n", "0", "-q", "--durations=0",
-         "tests/test_solutions_day1.py::test_1_3_gloo_anywhere"], env=env, timeout=300)
+    # two xdist workers, one test each: both workers' records reach the controller's
+    run([PYTHON, "-m", "pytest", "-p", "tests.ran_on", "-n", "2", "--dist", "load", "-q", "--durations=0",
+         "tests/test_solutions_day1.py::test_1_3_gloo_anywhere", "tests/test_solutions_day1.py::test_0_3_torchrun"],
+        env=env, timeout=300)
     r = json.loads(record.read_text())
-    assert r["lessons"] == {"1": {"own launcher, cpu": [3]}}, r
-    assert r["machine"]["torch"] and r["machine"]["cores"] and r["tests_passed"] == 1
+    assert r["lessons"] == {"0": {"torchrun, cpu": [4]}, "1": {"own launcher, cpu": [3]}}, r
+    assert r["machine"]["torch"] and r["machine"]["cores"] and r["tests_passed"] == 2
     record.unlink()
     proc = subprocess.run([PYTHON, "-m", "pytest", "-p", "tests.ran_on", "-n", "0", "-q",
                            "tests/test_solutions_day1.py", "-k", "no_such_test"], cwd=REPO, capture_output=True,
