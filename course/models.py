@@ -124,7 +124,8 @@ def add_vit_args(p, width: int = 64):
 
 # the lessons that only make sense with the ViT, and why
 VIT_ONLY = {"18_hardware_limits": "lesson 18 compares the FLOPs it counts with a transformer's formula",
-            "19_tensor_parallel": "tensor parallelism cuts the ViT's attention and MLP layers"}
+            "19_tensor_parallel": "tensor parallelism cuts the ViT's attention and MLP layers",
+            "20_device_mesh_2d": "tensor parallelism cuts the ViT's attention and MLP layers"}
 
 
 def check_vit_args(args) -> None:

@@ -1,16 +1,21 @@
-"""Lessons 18 (what the hardware allows) and 19 (tensor parallel), run for real: gloo, the CPU, a tiny ViT
-(width 32, depth 2, 4 heads), one thread a rank.
+"""Lessons 18 (what the hardware allows), 19 (tensor parallel) and 20 (2-D meshes), run for real: gloo, the
+CPU, a tiny ViT (width 32, depth 2, 4 heads), one thread a rank.
 
 The reference is one process: lesson 18 at --nproc 1 (DDP over one rank, fp32), batch 32.  Lesson 19 at
 T = 2 (torchrun) and T = 4 (its own launcher) takes the same batches of 32 on every rank, from the same
 weights (seed 5), with SGD and momentum and the gradient clip active (lr 0.5, clip 0.5 against norms of
-1.0-1.6): it must end where the one process ends.
+1.0-1.6): it must end where the one process ends.  So must lesson 20 on a 2 x 2 mesh, with the same global
+batch of 32: FSDP2 x TP (its own launcher; 2 rows of 16) and HSDP (torchrun; 4 ranks of 8).
 
 Bounds (the numbers are next to each assertion):
 - tensor parallel against one process, after 4 steps: the relative difference of the whole weight vector at
   most 1e-6 (measured 2.8e-8 at T = 2 and 3.0e-8 at T = 4: the row-wise layers' sums are added in another
   order); losses and gradient norms within 1e-6 relative (measured equal to 1.2e-7).
 - each rank holds exactly 1/T of the cut parameters (integers: bytes of its pieces against the whole).
+- lesson 20 against one process, after 4 steps: the same bounds (measured 3.3e-8 and 3.4e-8); every
+  parameter cut, the ranks' pieces adding up to what the placements say (integers); the mesh's rows [0, 1]
+  and [2, 3]; step 1's collectives: TP's 2 + 2 all_reduces per block (FSDP2 x TP only), FSDP2's all_gather
+  and reduce_scatter once per block and root, HSDP's all_reduce of each gradient shard across the rows.
 - step 1's collectives, counted by torch's CommDebugMode: 2 all_reduces per block forward, 2 backward.
 - lesson 18's FLOPs of step 1, counted by FlopCounterMode (with the CPU attention's formula), within 10% of
   6 x parameters x tokens + 12 x depth x tokens x width x tokens (measured 0.97 at width 64; 0.95 here).
@@ -28,7 +33,7 @@ from conftest import PYTHON, REPO, lesson, metrics, run
 from course.output import load_weights
 
 pytestmark = pytest.mark.slow
-HARDWARE, TP = "day4/18_hardware_limits.py", "day4/19_tensor_parallel.py"
+HARDWARE, TP, MESH = "day4/18_hardware_limits.py", "day4/19_tensor_parallel.py", "day4/20_device_mesh_2d.py"
 COMMON = ["--train-samples", "640", "--batch-size", "32", "--seed", "5", "--lr", "0.5", "--clip-grad-norm", "0.5",
           "--max-steps", "4", "--loader", "memory", "--width", "32", "--depth", "2", "--heads", "4",
           "--precision", "fp32", "--sizes-mib", "0.25"]
@@ -49,6 +54,9 @@ def runs(tmp_path_factory, dataset):
     out["one"] = lesson(HARDWARE, *COMMON, "--nproc", "1", "--run-dir", root / "one", nproc=1)
     out["tp2"] = lesson(TP, *COMMON, "--run-dir", root / "tp2", launcher="torchrun", nproc=2)
     out["tp4"] = lesson(TP, *COMMON, "--nproc", "4", "--run-dir", root / "tp4")
+    out["fsdp-tp"] = lesson(MESH, *COMMON, "--batch-size", "16", "--nproc", "4", "--run-dir", root / "fsdp-tp")
+    out["hsdp"] = lesson(MESH, *COMMON, "--batch-size", "8", "--layout", "hsdp", "--run-dir", root / "hsdp",
+                         launcher="torchrun", nproc=4)
     wire = [*COMMON[:-1], "4", "--max-steps", "2"]
     out["wire"] = run([*own_network(), PYTHON, REPO / HARDWARE, *wire, "--nproc", "2", "--run-dir", root / "wire"])
     return {name: (root / name, proc.stdout) for name, proc in out.items()}
@@ -87,6 +95,47 @@ def test_each_rank_holds_one_tth_of_the_cut_parameters_and_the_collectives_are_c
     assert "forward: 4 all_reduce (2 per block); backward: 4 all_reduce (2 per block)" in out
 
 
+@pytest.mark.parametrize("layout", ["fsdp-tp", "hsdp"])
+def test_a_2d_mesh_ends_where_one_process_ends(runs, layout):
+    """Measured: 3.3e-8 (FSDP2 x TP) and 3.4e-8 (HSDP); bound 1e-6."""
+    mesh, one = runs[layout][0], runs["one"][0]
+    a, b = load_weights(mesh / "model.pt"), load_weights(one / "model.pt")
+    assert sorted(a) == sorted(b) and all(a[k].shape == b[k].shape for k in a)
+    rel = ((vector(mesh) - vector(one)).norm() / vector(one).norm()).item()
+    print(f"{layout}: against one process, relative weight difference {rel:.3g}")
+    assert rel <= EQUAL, rel
+    mt, mo = metrics(mesh), metrics(one)
+    assert mt["steps"] == 4 and mt["world_size"] == 4 and mt["global_batch_size"] == mo["batch_size"] == 32
+    assert mt["loss_per_step"] == pytest.approx(mo["loss_per_step"], rel=EQUAL)
+    assert mt["grad_norm_per_step"] == pytest.approx(mo["grad_norm_per_step"], rel=EQUAL)
+
+
+@pytest.mark.parametrize("layout", ["fsdp-tp", "hsdp"])
+def test_a_2d_mesh_cuts_every_parameter_and_counts_its_collectives(runs, layout):
+    m, out = metrics(runs[layout][0]), runs[layout][1]
+    names = ["dp", "tp"] if layout == "fsdp-tp" else ["replicate", "shard"]
+    assert m["mesh"]["dims"] == names and m["mesh"]["rows"] == [[0, 1], [2, 3]] and m["mesh"]["rows_in_one_node"]
+    assert f"mesh 2 x 2 ({', '.join(names)}): rows (the '{names[1]}' groups) [0, 1] on " in out
+    per_rank = m["per_rank_bytes"]
+    assert all(r["whole_ones"] == 0 for r in per_rank) and "and no parameter is whole" in out
+    whole = per_rank[0]["cut_whole"]
+    if layout == "hsdp":  # each row holds the model once between its 2 ranks; the rows are replicas
+        assert per_rank[0]["pieces"] == [2]
+        assert per_rank[0]["cut"] + per_rank[1]["cut"] == whole == per_rank[2]["cut"] + per_rank[3]["cut"]
+        assert [r["cut"] for r in per_rank[:2]] == [r["cut"] for r in per_rank[2:]]
+    else:  # what TP cut: 1/4 on each rank; the rest 1/2 on each rank of a row's column
+        assert per_rank[0]["pieces"] == [2, 4]
+        assert sum(r["cut"] for r in per_rank) == round(4 * per_rank[0]["cut_share"]) < 2 * whole
+    comms = m["collectives_step_1"]  # depth 2: 2 blocks and the root
+    fsdp = {"forward": {"all_gather (FSDP2)": 3}, "backward": {"all_gather (FSDP2)": 2, "reduce_scatter (FSDP2)": 3}}
+    if layout == "fsdp-tp":
+        assert comms["forward"] == {**fsdp["forward"], "all_reduce": 4}
+        assert comms["backward"] == {**fsdp["backward"], "all_reduce": 4}
+    else:
+        assert comms["forward"] == fsdp["forward"]
+        assert comms["backward"] == {**fsdp["backward"], "all_reduce (FSDP2)": 3}
+
+
 def test_the_counted_flops_are_within_ten_percent_of_the_formula_and_utilization_is_a_fraction(runs):
     m = metrics(runs["one"][0])
     ratio = m["flops_per_step"] / m["flops_formula"]
@@ -114,3 +163,8 @@ def test_bad_tensor_parallel_input_is_one_line_before_any_rank_starts(lesson_mai
     assert "--heads 4 does not divide among 3 tensor-parallel ranks" in done.stderr
     done = lesson_main(TP, "--quick", "--model", "mlp", "--nproc", "2")
     assert done.returncode == 1 and "tensor parallelism cuts the ViT's" in done.stderr, done.stderr
+    done = lesson_main(MESH, "--quick", "--inner", "3", "--nproc", "4")
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "--inner 3 does not divide the 4 ranks into rows" in done.stderr and "--inner 1, 2, 4" in done.stderr
+    done = lesson_main(MESH, "--quick", "--heads", "4", "--inner", "3", "--nproc", "6")
+    assert done.returncode == 1 and "--heads 4 does not divide among 3 tensor-parallel ranks" in done.stderr

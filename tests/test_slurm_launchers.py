@@ -43,6 +43,11 @@ def is_day2(launcher: Path) -> bool:
     return (REPO / "day2" / f"{launcher.stem}.py").exists()
 
 
+def two_nodes(launcher: Path) -> bool:
+    """Day 2's launchers, and lesson 20's: one row of its 2-D mesh per node."""
+    return is_day2(launcher) or launcher.stem == "20_device_mesh_2d"
+
+
 def sbatch_lines(launcher: Path) -> list[str]:
     return [line for line in launcher.read_text().splitlines() if line.startswith("#SBATCH")]
 
@@ -86,7 +91,7 @@ def test_launcher_shape(launcher):
     assert str(script.relative_to(REPO)) in text or f" {script.name} " in text
     sruns = re.findall(r"^\s*(?:step )?srun .*$", text, flags=re.M)
     assert all("--kill-on-bad-exit=1" in s for s in sruns), sruns
-    if is_day2(launcher):
+    if two_nodes(launcher):
         assert options["nodes"] == "2"
         # multinode_setup_and_run.sh finds rank 0, then runs srun --kill-on-bad-exit=1; lesson 12's launcher
         # runs srun itself (in the background, so that its trap can pass SIGUSR1 on)
@@ -350,9 +355,12 @@ def test_a_value_slurm_refuses_fails_before_submission(slurm_cluster, env, words
 # ------------------------------------------------------------------------------------------ real jobs
 
 # Small runs (2 ranks per node, one core each): the lesson arguments of each, and what its log must show.
-# Submitted longest first, so that the short ones fill the gaps; the day-2 jobs need both nodes at once.
+# Submitted longest first, so that the short ones fill the gaps; the day-2 jobs and lesson 20's need both nodes
+# at once.
 SMALL = ["--quick", "--train-samples", "3200"]  # 1 epoch, 50 steps for 1 rank; the whole test set
 RUNS = {
+    # 2 nodes x 2 ranks: TP inside each node, FSDP2 across the two (--inner: the tasks per node)
+    "20_device_mesh_2d": SMALL + ["--max-steps", "6", "--sizes-mib", "0.25"],
     "12_ddp_fault_tolerance": SMALL,
     "11_mnist_ddp_pt_multinode_streaming": SMALL,
     "10_mnist_ddp_pt_multinode": SMALL,
@@ -533,6 +541,17 @@ def check_19_tensor_parallel(log, work):
     assert (work / "runs/19_tensor_parallel/model.pt").stat().st_size > 0
 
 
+def check_20_device_mesh_2d(log, work):
+    # the mesh's layout, from each rank's node: a row (a tensor-parallel group) per node
+    assert "mesh 2 x 2 (dp, tp): rows (the 'tp' groups) [0, 1] on node1; [2, 3] on node2: each row inside one node" \
+        in log, log
+    assert "+ srun --kill-on-bad-exit=1" in log and "20_device_mesh_2d.py --inner 2 --quick" in log
+    assert ("collectives in step 1, forward: 5 all_gather (FSDP2) (1.25 per block), 8 all_reduce (2 per block); "
+            in log)
+    assert "fsdp-tp on a 2 x 2 mesh, global batch 128, fp32: test accuracy" in log
+    assert (work / "runs/20_device_mesh_2d/model.pt").stat().st_size > 0
+
+
 def check_create_mnist_h5(log, work):
     assert f"wrote {work / 'made-by-job.h5'}" in log and (work / "made-by-job.h5").exists()
 
@@ -616,7 +635,7 @@ def test_launcher_runs_on_the_two_node_slurm(jobs, launcher):
     assert f"site profile       {SITES_DIR / 'cpu-only.env'}" in log
     assert re.search(rf"==== {re.escape(name)} {job_id}: ended .* exit code 0\n$", log), log[-300:]
     assert "\n+ " in log
-    if is_day2(launcher):
+    if two_nodes(launcher):
         assert "nodes              2 (node[1-2])" in log
         assert "tasks (ranks)      4, 2 per node" in log
     else:

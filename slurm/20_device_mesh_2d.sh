@@ -1,0 +1,31 @@
+#!/bin/bash
+# Lesson 20 under Slurm: a 2-D device mesh over two nodes, one row per node: tensor parallelism inside each
+# node and FSDP2 across the nodes (or, with -- --layout hsdp, sharded inside a node, replicated across).
+#
+# Submit it from the repository root with the sbatch options of your site (slurm/sites/NAME.env):
+#   SITE_ACCOUNT=m1234_g slurm/submit.sh 20_device_mesh_2d --site perlmutter
+#   slurm/submit.sh 20_device_mesh_2d --site cpu-only -- --quick --layout hsdp    (lesson arguments after --)
+#   slurm/submit.sh 20_device_mesh_2d --site palmetto --dry-run    (print the sbatch command, submit nothing)
+# or by hand:  mkdir -p logs && sbatch [site options] slurm/20_device_mesh_2d.sh [lesson arguments]
+#
+# Site-specific options (account, partition, qos, constraint, GPUs) are not in this file: slurm/submit.sh
+# adds them to the sbatch command line from the site profile (slurm/sites/).
+#SBATCH --job-name=20_device_mesh_2d # the name in squeue and in the log file name
+#SBATCH --nodes=2                    # a row of the mesh per node, the data-parallel dimension across them
+#SBATCH --ntasks-per-node=4          # one task per rank; GPU sites: one per GPU (submit.sh)
+#SBATCH --cpus-per-task=4            # cores per rank: data, Python, OMP threads
+#SBATCH --time=00:20:00              # wall-clock limit
+#SBATCH --output=logs/%x-%j.out      # stdout+stderr: logs/<job name>-<job id>.out
+set -euo pipefail
+
+# sbatch runs a copy of this file from a spool directory: find the course from where the job was submitted.
+COURSE_REPO="${COURSE_REPO:-${SLURM_SUBMIT_DIR:-$PWD}}"
+source "$COURSE_REPO/slurm/lib/job.sh" ||
+    { echo "error: no course in $COURSE_REPO: submit from the repository root or export COURSE_REPO" >&2; exit 1; }
+job_start "$@"
+
+# One task per rank, numbered node by node: --inner (a row's length) is the tasks per node, so that each row
+# is one node (the lesson prints every row's node; an --inner given after -- wins). If one rank fails, stop
+# the others.
+step srun --kill-on-bad-exit=1 "$PYTHON" -u "$COURSE_REPO/day4/20_device_mesh_2d.py" \
+    --inner "${SLURM_NTASKS_PER_NODE:-2}" "$@"
