@@ -66,9 +66,10 @@ def describe(comms: dict, blocks: int) -> str:
 
 
 def cut_parameters(model) -> list:
-    """The parameters tensor parallelism or FSDP2 cut into pieces (DTensors with a Shard placement); a
-    row-wise layer's bias is a DTensor too, but whole on every rank (Replicate) under TP alone."""
-    return [p for p in model.parameters() if hasattr(p, "placements") and any(map(cuts, p.placements))]
+    """The parameters tensor parallelism or FSDP2 cut into pieces (DTensors with a Shard placement over more
+    than one rank); a row-wise layer's bias is a DTensor too, but whole on every rank (Replicate) under TP
+    alone, as is a parameter sharded over a mesh dimension of one rank."""
+    return [p for p in model.parameters() if hasattr(p, "placements") and pieces(p) > 1]
 
 
 def cuts(placement) -> bool:
@@ -102,7 +103,7 @@ def held_by_rank(rank: int, model, optimizer) -> list:
     mine, whole = sum(nbytes(p) for p in cut), sum(p.numel() * p.element_size() for p in cut)
     share = sum(p.numel() * p.element_size() / pieces(p) for p in cut)  # what the placements promise
     holds = dict(held(model, optimizer), cut=mine, cut_whole=whole, cut_share=share,
-                 pieces=sorted({pieces(p) for p in cut}), whole_ones=len(uncut(model)))
+                 pieces=sorted({pieces(p) for p in cut}), whole_ones=len(list(model.parameters())) - len(cut))
     rank_print(rank, f"holds {holds['total'] / MB:.3f} MB of parameters, gradients and optimizer state; of the "
                      f"cut parameters {mine / MB:.3f} of {whole / MB:.3f} MB ({mine / whole:.4f})")
     everyone = [None] * dist.get_world_size()

@@ -28,6 +28,7 @@ link.  Two layouts:
 --inner must divide the world size; under fsdp-tp, --heads must divide among the --inner ranks.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
+import logging
 import sys
 import time
 import warnings
@@ -62,6 +63,9 @@ from data_tools.datasets import InMemoryMNIST, batches, require
 
 # under CommDebugMode (step 1) the model's output is a view, which FSDP2 warns about once per rank: harmless here
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+# DTensor warns each time it makes a tensor whole over both mesh dimensions with one collective per dimension
+# (the gradient norm, the weights for model.pt): expected here, and a small cost for tensors this size
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def bandwidth(device, n: int, local_ranks: int, sizes_mib: list, iters: int) -> list:
@@ -121,7 +125,8 @@ def worker(info, args):
     dtype = DTYPES[args.precision]
     peak = memory.StepPeak(model, optimizer, device)  # step 3's bytes: held as it begins, most during it
 
-    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica, shuffle=True, seed=args.seed)  # DDP
+    sampler = DistributedSampler(train_set, num_replicas=replicas, rank=replica,  # DDP: a share per replica
+                                 shuffle=True, seed=args.seed)
     if args.loader == "dataloader":  # the loop to write for your own dataset
         loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     else:  # the same batches, each gathered from the in-memory tensors at once (data_tools/datasets.py)

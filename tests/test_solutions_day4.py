@@ -1,4 +1,4 @@
-"""The solutions of lessons 18 and 19's exercises do what they say (tests/test_solutions.py: how).
+"""The solutions of lessons 18, 19 and 20's exercises do what they say (tests/test_solutions.py: how).
 
 Small ViTs (width 32 or 64, depth 2), a few steps, small collectives.  A command that several exercises show
 (the run of another exercise to compare with) runs once per test module (`ran`).  The milliseconds of
@@ -168,3 +168,55 @@ def test_19_3_tensor_parallel_all_reduces_grow_with_the_batch_ddp_gradients_do_n
     rel = relative(ran.tmp / "solutions/19-batch128/model.pt", ran.tmp / "solutions/19-ddp/model.pt")
     print(f"TP, batch 128 against DDP, 2 x 64: relative weight difference {rel:.2g}")
     assert rel < 1e-6, rel  # measured 4.3e-8: the same samples in the same steps
+
+
+# ------------------------------------------------------------------------------------------ lesson 20
+
+LESSON_19_EVAL = "[rank 0] epoch 0: test loss 2.1706, test accuracy 0.2087 (10000 test images, each counted once)"
+
+
+@solution("20_device_mesh_2d", 1)
+@pytest.mark.slow
+def test_20_1_the_two_ends_of_the_mesh_are_lessons_19_and_15(ran):
+    inner4, inner1 = commands("20_device_mesh_2d", 1)
+    out4, out1 = ran(inner4).stdout, ran(inner1).stdout
+    assert LESSON_19_EVAL in out4 and LESSON_19_EVAL in out1  # lesson 19's exercise 1, the same training
+    assert re.search(r"^mesh 1 x 4 \(dp, tp\): rows \(the 'tp' groups\) \[0, 1, 2, 3\] on \S+: each row inside one node$",
+                     out4, re.M), out4
+    assert ("collectives in step 1, forward: 4 all_reduce (2 per block); backward: 4 all_reduce (2 per block); "
+            "each all_reduce adds up one activation [batch 32, 16 tokens, width 32]") in out4
+    assert "each rank holds 0.2500 of the cut parameters (1/4 = 0.2500) and all of the others: 0.081 MB" in out4
+    assert re.search(r"^mesh 4 x 1 \(dp, tp\): ", out1, re.M)
+    assert ("collectives in step 1, forward: 3 all_gather (FSDP2) (1.5 per block); backward: 2 all_gather (FSDP2) "
+            "(1 per block), 3 reduce_scatter (FSDP2) (1.5 per block)\n") in out1
+    assert "the ranks hold 0.2409 to 0.2704 of the cut parameters (1/4 = 0.2500 if every cut" in out1
+    assert "and no parameter is whole: 0.061 MB" in out1
+    assert metrics(ran.tmp / "solutions/20-inner1")["global_batch_size"] == 32
+    rel = relative(ran.tmp / "solutions/20-inner1/model.pt", ran.tmp / "solutions/20-inner4/model.pt")
+    assert rel < 1e-6, rel  # measured: the same training, float32 rounding apart
+
+
+@solution("20_device_mesh_2d", 2)
+@pytest.mark.slow
+def test_20_2_a_row_length_that_does_not_divide_stops_before_any_rank(ran):
+    (line,) = commands("20_device_mesh_2d", 2)
+    said = re.findall(r"^python day4/20_device_mesh_2d\.py: error: .*$", sections("20_device_mesh_2d")[2], re.M)
+    stopped = ran(line, check=False)
+    assert stopped.returncode == 1 and stopped.stderr.strip().splitlines() == said, stopped.stderr
+    assert not (ran.tmp / "solutions/20-three").exists()
+
+
+@solution("20_device_mesh_2d", 3)
+@pytest.mark.slow
+def test_20_3_hsdp_trains_what_ddp_trains_with_the_same_global_batch(ran):
+    hsdp, ddp = commands("20_device_mesh_2d", 3)
+    assert ddp == commands("19_tensor_parallel", 3)[1]  # lesson 19's DDP run, once per module
+    out_hsdp, out_ddp = ran(hsdp).stdout, ran(ddp).stdout
+    said = "[rank 0] epoch 0: test loss 1.8865, test accuracy 0.2843 (10000 test images, each counted once)"
+    assert said in out_hsdp and said in out_ddp
+    assert ("collectives in step 1, forward: 3 all_gather (FSDP2) (1.5 per block); backward: 2 all_gather (FSDP2) "
+            "(1 per block), 3 reduce_scatter (FSDP2) (1.5 per block), 3 all_reduce (FSDP2) (1.5 per block)") in out_hsdp
+    assert "the ranks hold 0.4869 to 0.5131 of the cut parameters (1/2 = 0.5000 if every cut" in out_hsdp
+    rel = relative(ran.tmp / "solutions/20-hsdp/model.pt", ran.tmp / "solutions/19-ddp/model.pt")
+    print(f"HSDP 4 x 32 against DDP 2 x 64: relative weight difference {rel:.2g}")
+    assert rel < 1e-6, rel  # measured 3.3e-8
