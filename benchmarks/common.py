@@ -21,7 +21,8 @@ from course.ports import free_port
 from course.supervise import before_init_process_group, start_method
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("input", "hdf5", "sync", "train", "startup", "precision", "accumulation", "fsdp", "dcp", "memory")
+SECTIONS = ("input", "hdf5", "sync", "train", "startup", "precision", "accumulation", "fsdp", "dcp", "memory",
+            "parallel")
 
 
 @dataclass
@@ -38,7 +39,8 @@ class Row:
 
     def check(self, op: str, threshold: float, on: str = "ratio") -> "Row":
         x = self.ratio if on == "ratio" else self.value
-        ok = x is not None and math.isfinite(x) and (x >= threshold if op == ">=" else x <= threshold)
+        ok = x is not None and math.isfinite(x) and (x >= threshold if op == ">=" else x <= threshold if op == "<="
+                                                     else abs(x - threshold) <= 1e-9 * max(1.0, abs(threshold)))
         self.goal = f"{on} {op} {threshold:g}" + (f" {self.unit}" if on == "value" else "")
         self.status = "met" if ok else "not met"
         return self

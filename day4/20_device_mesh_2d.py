@@ -5,13 +5,12 @@
     srun --nodes=2 --ntasks-per-node=2 python day4/20_device_mesh_2d.py
 
 Lesson 19's loop on a 2-D device mesh: W ranks in W/I rows of I (--inner) consecutive ranks.  torchrun and
-srun number the ranks node by node, so a row is the ranks of one node (or a part of it): the row is the
-dimension whose collectives run most often and are the largest, the columns the one that can take a slower
-link.  Two layouts:
+srun number the ranks node by node, so with --inner the ranks per node a row is one node: the row is the
+dimension whose collectives run most often, the columns the one that can take a slower link.  Two layouts:
 - fsdp-tp (`("dp", "tp")`): each row is a lesson-19 tensor-parallel group (`parallelize_module` on
   `mesh["tp"]`), and FSDP2 (lesson 15) shards every block and the rest over the columns (`fully_shard` on
-  `mesh["dp"]`): TP's 4 all_reduces per block of activations stay inside a node, FSDP2's all_gathers and
-  reduce_scatters of the parameters go across.  The ranks of a row take the same batch (they compute one
+  `mesh["dp"]`): TP's 4 all_reduces per block of activations stay inside a node, FSDP2's all_gathers of
+  the parameters and reduce_scatters of the gradients go across.  The ranks of a row take the same batch (they compute one
   model together); the W/I rows take different ones: the global batch is W/I x --batch-size.  Rank r holds
   1/W of each matrix TP cuts (1/I by TP, of which 1/(W/I) by FSDP2), and 1/(W/I) of the rest.
 - hsdp (`("replicate", "shard")`): no TP; `fully_shard` given the whole 2-D mesh is hybrid sharding: the
@@ -47,7 +46,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
@@ -63,8 +61,8 @@ from data_tools.datasets import InMemoryMNIST, batches, require
 
 # under CommDebugMode (step 1) the model's output is a view, which FSDP2 warns about once per rank: harmless here
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-# DTensor warns each time it makes a tensor whole over both mesh dimensions with one collective per dimension
-# (the gradient norm, the weights for model.pt): expected here, and a small cost for tensors this size
+# DTensor warns (once per mesh, on each rank) when it makes a tensor whole over both mesh dimensions with one
+# collective per dimension (the gradient norm, the weights for model.pt): expected here, cheap at this size
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
@@ -92,9 +90,8 @@ def clip_grad_norm(params: list, max_norm: float):
         on.setdefault(p.device_mesh, []).append(p)
     norms = [torch.nn.utils.get_total_norm([p.grad for p in ps]).full_tensor() for ps in on.values()]  # DIST
     total = torch.linalg.vector_norm(torch.stack(norms))
-    with implicit_replication():  # DIST: the factor, a plain tensor, multiplies each DTensor gradient
-        for ps in on.values():
-            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
+    for ps in on.values():  # the factor, a plain 0-dim tensor, multiplies each mesh's DTensor gradients
+        torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
     return total
 
 

@@ -66,7 +66,8 @@ def classify(argv: list, env: dict = None) -> set:
         rest = args[names.index("submit.sh") + 1:]
         options = rest[:rest.index("--")] if "--" in rest else rest  # submit.sh's own, not the lesson's
         m = SUBMITTED.match(rest[0]) if rest else None
-        if m and "--dry-run" not in options:
+        exists = bool(m) and any(any((REPO / "slurm").glob(f"{rest[0]}{tail}")) for tail in (".sh", "_*.sh"))
+        if m and exists and "--dry-run" not in options:  # a launcher that exists (not a test of a bad name)
             found.add((lesson_id(m), "Slurm (2 nodes)", None, device))
         return found
     if names and names[0] in ("sbatch", "salloc", "srun"):

@@ -34,7 +34,11 @@ CPU_GOALS = {
     "vit w32 d2, batch 2 per rank, 4 ranks: step's peak per rank, FSDP2 (ZeRO-3)",
     *(f"vit w32 d2, {w} ranks: sha256 of {what}" for w in (2, 4)
       for what in ("every file of a save, each rank its own (lesson 16)", "the one file on rank 0 (lesson 12)")),
+    *(f"vit w32 d2, {w} ranks: cut parameter bytes on the fullest rank, tensor parallel (lesson 19)" for w in (2, 4)),
+    *(f"vit w32 d2, 2 x 2 mesh: cut parameter bytes on all ranks, {layout} (lesson 20)" for layout in ("fsdp-tp", "hsdp")),
 }
+# goals on counted bytes: met at any size and load (the --smoke run's too)
+EXACT_GOALS = {name for name in CPU_GOALS if "cut parameter bytes" in name}
 
 
 @pytest.mark.slow
@@ -56,6 +60,9 @@ def test_smoke_run_writes_csv_table_and_plot_with_finite_ratios(dataset, tmp_pat
     goals = {r["name"]: r for r in rows if r["goal"]}
     assert set(goals) == CPU_GOALS
     assert all(r["status"] in ("met", "not met") for r in goals.values())
+    assert all(goals[name]["status"] == "met" for name in EXACT_GOALS), [goals[n] for n in EXACT_GOALS]
+    assert [float(goals[f"vit w32 d2, {w} ranks: cut parameter bytes on the fullest rank, tensor parallel (lesson 19)"]
+                  ["ratio"]) for w in (2, 4)] == [0.5, 0.25]
     # the sync section measured lesson 4's own functions and DDP's three bucket sizes, for both models
     names = {r["name"] for r in rows}
     for model in ("mlp", "cnn"):

@@ -39,6 +39,7 @@ def test_commands_are_classified_by_lesson_launcher_and_world_size(tmp_path):
     assert classify([*submit, "test-profile", "--site", "cpu-only"], cpu) == \
         {("test-profile", "Slurm (2 nodes)", None, "cpu")}
     assert classify([*submit, "15_fsdp2", "--site", "cpu-only", "--dry-run"], cpu) == set()
+    assert classify([*submit, "99", "--site", "cpu-only"], cpu) == set()  # no such launcher: nothing ran
     assert classify(["tensorboard", "--logdir", tmp_path], cpu) == set()
     # a command line in one argument: sbatch --wrap, bash -c, a string run through a shell
     assert classify(["sbatch", "--nodes=2", "--wrap", f"srun {PYTHON} -u {REPO}/day3/17_debugging_hangs.py --bug skip"],

@@ -3,16 +3,18 @@
 #
 # Script: [`day4/20_device_mesh_2d.py`](../day4/20_device_mesh_2d.py).
 #
-# Lesson 19 cut every layer over all the ranks; lesson 15 sharded the parameters over all the ranks. A real
+# Lesson 19 cut each block's linear layers over all the ranks; lesson 15 sharded the parameters over all the
+# ranks. A real
 # cluster has two kinds of links: fast ones between the GPUs of a node (NVLink), slower ones between the
 # nodes (InfiniBand, Ethernet). A **2-D device mesh** lays the W ranks out as W/I rows of I consecutive
-# ranks (`--inner I`); torchrun and srun number ranks node by node, so a row is the ranks of one node, and
-# each parallelism runs along the dimension whose links suit it:
+# ranks (`--inner I`); torchrun and srun number ranks node by node, so with I the ranks per node a row is one
+# node, and each parallelism runs along the dimension whose links suit it:
 #
 # - **FSDP2 x TP** (`--layout fsdp-tp`, mesh dimensions `("dp", "tp")`): each row is a lesson-19
 #   tensor-parallel group (`parallelize_module` on `mesh["tp"]`): its 4 all_reduces of activations per
 #   block stay inside a node. FSDP2 then shards everything over the columns (`fully_shard` on
-#   `mesh["dp"]`): its all_gathers and reduce_scatters of parameters, once per block, cross the nodes. A
+#   `mesh["dp"]`): its all_gathers of parameters and reduce_scatters of gradients, once per block, cross the
+#   nodes. A
 #   row's ranks take the same batch; the W/I rows are data-parallel replicas with batches of their own.
 # - **HSDP** (`--layout hsdp`, `("replicate", "shard")`): no TP; `fully_shard` given the whole 2-D mesh
 #   shards every parameter over the I ranks of a row and keeps one copy per row: the all_gathers and
@@ -140,7 +142,7 @@ even = ft[0]["cut_share"] / ft[0]["cut_whole"]
 position = 4 * (28 // 7) ** 2 * WIDTH  # the position embedding, [1, tokens, width] in fp32
 md(f"All ranks of this notebook run on one machine, so every row is on the same node; under srun on two "
    f"nodes the lesson prints each row's node (the course's Slurm test checks that a row is one node).\n\n"
-   f"Under HSDP each rank holds half of every parameter: **{min(b['cut'] for b in hs) / hs[0]['cut_whole']:.4f} "
+   f"Under HSDP each rank holds half of every parameter but one (below): **{min(b['cut'] for b in hs) / hs[0]['cut_whole']:.4f} "
    f"to {max(b['cut'] for b in hs) / hs[0]['cut_whole']:.4f}** of the model, the two ranks of a row the whole "
    f"model between them, and the rows the same. Under FSDP2 x TP the matrices TP cut are split over all "
    f"{NPROC} ranks (1/{INNER} by TP, of which 1/{ROWS} by FSDP2) and the rest over the {ROWS} ranks of a column: "
@@ -158,8 +160,8 @@ show_table([{"layout": LABELS[k], "phase": phase, "collective": op, "calls": n}
             for k in ("fsdp-tp", "hsdp") for phase, ops in m[k]["collectives_step_1"].items()
             for op, n in ops.items()])
 c = {k: m[k]["collectives_step_1"] for k in ("fsdp-tp", "hsdp")}
-md(f"With {DEPTH} blocks: FSDP2 gathers each block and the root (embedding, position, final norm, head) before "
-   f"the forward pass ({c['hsdp']['forward'].get('all_gather (FSDP2)', 0)} all_gathers), gathers each block "
+md(f"With {DEPTH} blocks: FSDP2 gathers each block and the root (embedding, position, final norm, head) "
+   f"during the forward pass, each just before it runs ({c['hsdp']['forward'].get('all_gather (FSDP2)', 0)} all_gathers), gathers each block "
    f"again for the backward pass ({c['hsdp']['backward'].get('all_gather (FSDP2)', 0)}; the root stays "
    f"gathered) and reduce_scatters each unit's gradients "
    f"({c['hsdp']['backward'].get('reduce_scatter (FSDP2)', 0)}). HSDP adds "
@@ -176,8 +178,9 @@ md(f"With {DEPTH} blocks: FSDP2 gathers each block and the root (embedding, posi
 # 1. The two ends of the mesh, on 4 ranks with lesson 19's small ViT: `--inner 4 --batch-size 32` (one row:
 #    TP over all 4 ranks, FSDP2 over 1) and `--inner 1 --batch-size 8` (four rows of one: FSDP2 over all 4,
 #    TP over 1). The first is lesson 19 at 4 ranks: 1/4 of the cut matrices on each rank, TP's all_reduces,
-#    no FSDP2 collective; the second is lesson 15's sharding: every parameter cut 4 ways, no all_reduce of
-#    activations. Both train what lesson 19's exercise 1 trained (the same test loss).
+#    no FSDP2 collective; the second is lesson 15's sharding: every parameter cut over the 4 ranks (unevenly
+#    where its first dimension does not divide by 4), no all_reduce of activations. Both train what lesson
+#    19's exercise 1 trained (the same test loss).
 # 2. `--inner 3 --nproc 4`: the lesson stops before any rank starts, with one line saying that 3 does not
 #    divide the 4 ranks into rows and which values do.
 # 3. HSDP on 4 ranks with `--batch-size 32` against lesson 18's DDP on 2 ranks with `--batch-size 64` (lesson

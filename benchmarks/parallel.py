@@ -1,0 +1,142 @@
+"""Section parallel: lessons 18-20's model parallelism: what each rank holds, what the collectives reach.
+
+Each rank builds the same ViT (width 128, depth 4, 4 heads; width 32, depth 2 with --smoke) and cuts it as
+the lessons do (course/models.py's `tensor_parallel_plan`, course/parallel.py's counts):
+- tensor parallel over T = 2 and 4 ranks (lesson 19): the bytes of the cut parameters on each rank against
+  their whole size; the course's goal is exactly 1/T on every rank (bytes counted, not timed);
+- on a 2 x 2 mesh (lesson 20, 4 ranks): FSDP2 x TP and HSDP, the bytes all ranks hold of the cut parameters
+  against what their placements promise (the sum over the ranks of whole / pieces); goal: exactly 1x;
+- the all_reduce's bus bandwidth at 16 MiB (1 MiB with --smoke) at 2 and 4 ranks, timed as lesson 18 times
+  it (the slowest rank's seconds per call, best of the rounds; busbw = S / t x 2(n-1)/n): reported, no goal;
+- the time of a training step under TP at 2 ranks against DDP at 2 ranks with the same global batch
+  (reported: on a CPU TP sends 4 activations per block and step where DDP sends the gradients once).
+On one CPU the ranks share the cores and gloo's collectives run over loopback: the bandwidth is this
+machine's, not a network's.
+"""
+import itertools
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from benchmarks.common import Row, max_over_ranks, spawn
+from course import parallel
+from course.memory import nbytes
+from course.models import ViT, tensor_parallel_plan
+
+
+def _model(cfg, layout: str, world: int):
+    """The ViT cut as a lesson cuts it: "tp" (lesson 19), "fsdp-tp" or "hsdp" (lesson 20, rows of 2), "ddp"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = ViT(7, cfg["width"], cfg["depth"], cfg["heads"])
+    if layout == "ddp":
+        return DDP(model)
+    if layout == "tp":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        for block in model.blocks:
+            parallelize_module(block, mesh, tensor_parallel_plan())
+        return model
+    names = ("dp", "tp") if layout == "fsdp-tp" else ("replicate", "shard")
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=names)
+    if layout == "fsdp-tp":
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], tensor_parallel_plan())
+    shard_on = mesh["dp"] if layout == "fsdp-tp" else mesh
+    for block in model.blocks:
+        fully_shard(block, mesh=shard_on)
+    fully_shard(model, mesh=shard_on)
+    return model
+
+
+def _cut_bytes(model) -> dict:
+    """This rank's bytes of the cut parameters, their whole size, and what their placements promise."""
+    cut = parallel.cut_parameters(model)
+    return {"mine": sum(nbytes(p) for p in cut), "whole": sum(p.numel() * p.element_size() for p in cut),
+            "share": sum(p.numel() * p.element_size() / parallel.pieces(p) for p in cut)}
+
+
+def _everyone(value):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _worker(rank, world, cfg):
+    result = {"held": {}}
+    layouts = ["tp"] + (["fsdp-tp", "hsdp"] if world == 4 else [])
+    for layout in layouts:
+        result["held"][layout] = _everyone(_cut_bytes(_model(cfg, layout, world)))
+    # the all_reduce's bandwidth, as lesson 18 times it
+    tensor = torch.ones(cfg["mib"] * 2 ** 20 // 4)
+    best = float("inf")
+    for _ in range(cfg["rounds"]):
+        dist.all_reduce(tensor)  # warm-up of this round
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(cfg["calls"]):
+            dist.all_reduce(tensor)
+        best = min(best, max_over_ranks(time.perf_counter() - start) / cfg["calls"])
+    result["all_reduce_seconds"], result["bytes"] = best, tensor.numel() * 4
+    if world == 2:  # TP's step against DDP's, the same global batch
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(cfg["batch"], 1, 28, 28, generator=g), torch.randint(0, 10, (cfg["batch"],), generator=g)
+        half = slice(rank * cfg["batch"] // 2, (rank + 1) * cfg["batch"] // 2)
+        variants = {"tp": (_model(cfg, "tp", world), x, y), "ddp": (_model(cfg, "ddp", world), x[half], y[half])}
+        optimizers = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, (m, _, _) in variants.items()}
+        steps = {k: float("inf") for k in variants}
+        for round_ in range(cfg["rounds"] + 1):  # round 0 warms up
+            for k, (model, xb, yb) in variants.items():
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(cfg["steps"]):
+                    loss = F.cross_entropy(model(xb), yb)
+                    optimizers[k].zero_grad()
+                    loss.backward()
+                    optimizers[k].step()
+                seconds = max_over_ranks(time.perf_counter() - start) / cfg["steps"]
+                steps[k] = min(steps[k], seconds) if round_ else steps[k]
+        result["step_seconds"] = steps
+    return result
+
+
+def run(ctx):
+    cfg = {"width": ctx.pick(32, 128, 128), "depth": ctx.pick(2, 4, 8), "heads": 4, "batch": ctx.pick(16, 64, 64),
+           "mib": ctx.pick(1, 16, 64), "calls": ctx.pick(1, 5, 10), "rounds": ctx.pick(1, 3, 5),
+           "steps": ctx.pick(1, 3, 5)}
+    model = f"vit w{cfg['width']} d{cfg['depth']}"
+    rows = []
+    for world in (2, 4):
+        r = spawn(_worker, world, cfg)
+        for layout, everyone in r["held"].items():
+            whole = everyone[0]["whole"]
+            if layout == "tp":
+                fullest = max(e["mine"] for e in everyone)
+                rows.append(Row("parallel", f"{model}, {world} ranks: cut parameter bytes on the fullest rank, tensor "
+                                f"parallel (lesson 19)", fullest / 2 ** 20, "MB", fullest / whole,
+                                "the cut layers' whole size", note=f"every rank: {sorted({e['mine'] for e in everyone})} "
+                                f"bytes of {whole}").check("==", round(1 / world, 6)))
+            else:
+                held, promised = sum(e["mine"] for e in everyone), world * everyone[0]["share"]
+                rows.append(Row("parallel", f"{model}, 2 x 2 mesh: cut parameter bytes on all ranks, {layout} "
+                                f"(lesson 20)", held / 2 ** 20, "MB", held / promised, "what the placements promise",
+                                note=f"ranks hold {min(e['mine'] for e in everyone) / whole:.4f}-"
+                                     f"{max(e['mine'] for e in everyone) / whole:.4f} of the parameters "
+                                     f"(uneven where a first dimension does not divide)").check("==", 1.0))
+        busbw = r["bytes"] / r["all_reduce_seconds"] * 2 * (world - 1) / world / 1e9
+        rows.append(Row("parallel", f"all_reduce of {cfg['mib']} MiB, {world} ranks (gloo): bus bandwidth", busbw,
+                        "GB/s", note=f"{r['all_reduce_seconds'] * 1e3:.2f} ms per call, best of {cfg['rounds']} "
+                                     f"rounds of {cfg['calls']}; lesson 18's definition"))
+        if "step_seconds" in r:
+            s = r["step_seconds"]
+            rows.append(Row("parallel", f"{model}, 2 ranks: train step, tensor parallel, batch {cfg['batch']} on "
+                            f"both", s["tp"] * 1e3, "ms/step", s["tp"] / s["ddp"],
+                            f"DDP, {cfg['batch'] // 2} per rank (> 1: slower)",
+                            note=f"DDP {s['ddp'] * 1e3:.1f} ms; best of {cfg['rounds']} rounds of {cfg['steps']} "
+                                 f"steps, 1 thread per rank"))
+    return rows
