@@ -32,7 +32,8 @@ def render() -> str:
              "run of the test suite in which every test passed (`COURSE_RUN_RECORD=docs/records/NAME.json "
              "./run_tests.sh -p tests.ran_on`). A lesson counts as run one way when a test that passed "
              "started it that way; the world sizes are those the tests' commands named (\"yes\": the "
-             "lesson's default, or the Slurm job's own). A machine or a GPU with no record here has not run "
+             "lesson's default, or the Slurm job's own), including commands a test expects the lesson to "
+             "refuse in one line (lesson 19's 3 ranks for 4 heads is one). A machine or a GPU with no record here has not run "
              "the course's tests: the [readiness check](cluster.md) is how a site checks its own GPUs and "
              "nodes before a workshop.", ""]
     records = sorted(RECORDS.glob("*.json"))

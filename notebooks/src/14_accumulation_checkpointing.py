@@ -130,8 +130,13 @@ md(f"A step of *accumulated* took {acc['step_seconds'] * 1000:.0f} ms, one of *s
    + (" (more than K: here what accumulation saves is smaller than the noise between one run and another)"
       if acc['step_seconds'] / small['step_seconds'] > acc['accumulate'] else "")
    + f". Per sample: *accumulated* {speed['accumulated']:.0f} samples/s, *small batch* "
-   f"{speed['small batch']:.0f}, *one batch* {speed['one batch']:.0f} (a larger batch keeps the hardware "
-   f"busier; accumulation gives its gradient, not its speed).")
+   f"{speed['small batch']:.0f}, *one batch* {speed['one batch']:.0f}"
+   + (" (a larger batch keeps the hardware busier; accumulation gives its gradient, not its speed)."
+      if speed["accumulated"] < 0.95 * speed["one batch"] else
+      ": *accumulated* ran about as fast per sample as *one batch* here (on this CPU a batch of "
+      f"{acc['global_batch_size'] // acc['world_size']} per rank is no more efficient per sample than "
+      f"{acc['accumulate']} x {acc['batch_size']}); what it gains over *small batch* is the "
+      f"{acc['accumulate'] - 1} all_reduces and optimizer steps it skips."))
 
 # %% [markdown]
 # ## Checkpointing: fewer bytes kept, the same numbers

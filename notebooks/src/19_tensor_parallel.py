@@ -7,7 +7,7 @@
 # Tensor parallelism (TP) splits the **layers**: each of T ranks holds 1/T of every attention and MLP
 # matrix, computes 1/T of each layer's output for the whole batch, and the ranks add their partial results
 # up with all_reduces inside the forward and backward passes. All ranks take the same batches, so T ranks
-# train exactly what one process with that batch trains.
+# train what one process with that batch trains, up to float32 rounding.
 #
 # - **A device mesh of T ranks in a row named "tp"** (`init_device_mesh`) and **`parallelize_module`** on
 #   each transformer block with a plan (`course/models.py`, `tensor_parallel_plan`): `qkv` and `mlp.0`

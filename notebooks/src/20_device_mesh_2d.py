@@ -13,8 +13,8 @@
 # - **FSDP2 x TP** (`--layout fsdp-tp`, mesh dimensions `("dp", "tp")`): each row is a lesson-19
 #   tensor-parallel group (`parallelize_module` on `mesh["tp"]`): its 4 all_reduces of activations per
 #   block stay inside a node. FSDP2 then shards everything over the columns (`fully_shard` on
-#   `mesh["dp"]`): its all_gathers of parameters and reduce_scatters of gradients, once per block, cross the
-#   nodes. A
+#   `mesh["dp"]`): its all_gathers of each block's parameters (in forward, and again in backward) and the
+#   reduce_scatter of its gradients cross the nodes. A
 #   row's ranks take the same batch; the W/I rows are data-parallel replicas with batches of their own.
 # - **HSDP** (`--layout hsdp`, `("replicate", "shard")`): no TP; `fully_shard` given the whole 2-D mesh
 #   shards every parameter over the I ranks of a row and keeps one copy per row: the all_gathers and

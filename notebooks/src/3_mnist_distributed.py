@@ -11,7 +11,7 @@
 # - takes the **same steps** on the same batches,
 # - and ends with the **same model**.
 #
-# N copies of one result for N times the electricity; on a shared machine they even slow each other down.
+# N copies of one result for N times the electricity; on a shared machine they compete for the same cores.
 # The process group is used only at the very end, to compare notes (`all_gather_object`): which weights,
 # which data order, how long. Lesson 4 makes the ranks cooperate instead.
 
