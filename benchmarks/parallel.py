@@ -21,8 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks.common import Row, max_over_ranks, spawn
-from course import parallel
-from course.memory import nbytes
+from course import hardware, parallel
 from course.models import ViT, tensor_parallel_plan
 
 
@@ -54,13 +53,6 @@ def _model(cfg, layout: str, world: int):
     return model
 
 
-def _cut_bytes(model) -> dict:
-    """This rank's bytes of the cut parameters, their whole size, and what their placements promise."""
-    cut = parallel.cut_parameters(model)
-    return {"mine": sum(nbytes(p) for p in cut), "whole": sum(p.numel() * p.element_size() for p in cut),
-            "share": sum(p.numel() * p.element_size() / parallel.pieces(p) for p in cut)}
-
-
 def _everyone(value):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
@@ -71,18 +63,12 @@ def _worker(rank, world, cfg):
     result = {"held": {}}
     layouts = ["tp"] + (["fsdp-tp", "hsdp"] if world == 4 else [])
     for layout in layouts:
-        result["held"][layout] = _everyone(_cut_bytes(_model(cfg, layout, world)))
-    # the all_reduce's bandwidth, as lesson 18 times it
+        result["held"][layout] = _everyone(parallel.cut_bytes(_model(cfg, layout, world)))
+    # the all_reduce's bandwidth, as lesson 18 times it (course/hardware.py), best of the rounds
     tensor = torch.ones(cfg["mib"] * 2 ** 20 // 4)
-    best = float("inf")
-    for _ in range(cfg["rounds"]):
-        dist.all_reduce(tensor)  # warm-up of this round
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(cfg["calls"]):
-            dist.all_reduce(tensor)
-        best = min(best, max_over_ranks(time.perf_counter() - start) / cfg["calls"])
-    result["all_reduce_seconds"], result["bytes"] = best, tensor.numel() * 4
+    result["all_reduce_seconds"] = min(hardware.timed(lambda: dist.all_reduce(tensor), cfg["calls"], tensor.device)[0]
+                                       for _ in range(cfg["rounds"]))
+    result["bytes"] = tensor.numel() * 4
     if world == 2:  # TP's step against DDP's, the same global batch
         g = torch.Generator().manual_seed(0)
         x, y = torch.randn(cfg["batch"], 1, 28, 28, generator=g), torch.randint(0, 10, (cfg["batch"],), generator=g)
@@ -114,19 +100,19 @@ def run(ctx):
     for world in (2, 4):
         r = spawn(_worker, world, cfg)
         for layout, everyone in r["held"].items():
-            whole = everyone[0]["whole"]
+            whole = everyone[0]["cut_whole"]
             if layout == "tp":
-                fullest = max(e["mine"] for e in everyone)
+                fullest = max(e["cut"] for e in everyone)
                 rows.append(Row("parallel", f"{model}, {world} ranks: cut parameter bytes on the fullest rank, tensor "
                                 f"parallel (lesson 19)", fullest / 2 ** 20, "MB", fullest / whole,
-                                "the cut layers' whole size", note=f"every rank: {sorted({e['mine'] for e in everyone})} "
+                                "the cut layers' whole size", note=f"every rank: {sorted({e['cut'] for e in everyone})} "
                                 f"bytes of {whole}").check("==", round(1 / world, 6)))
             else:
-                held, promised = sum(e["mine"] for e in everyone), world * everyone[0]["share"]
+                held, promised = sum(e["cut"] for e in everyone), world * everyone[0]["cut_share"]
                 rows.append(Row("parallel", f"{model}, 2 x 2 mesh: cut parameter bytes on all ranks, {layout} "
                                 f"(lesson 20)", held / 2 ** 20, "MB", held / promised, "what the placements promise",
-                                note=f"ranks hold {min(e['mine'] for e in everyone) / whole:.4f}-"
-                                     f"{max(e['mine'] for e in everyone) / whole:.4f} of the parameters "
+                                note=f"ranks hold {min(e['cut'] for e in everyone) / whole:.4f}-"
+                                     f"{max(e['cut'] for e in everyone) / whole:.4f} of the parameters "
                                      f"(uneven where a first dimension does not divide)").check("==", 1.0))
         busbw = r["bytes"] / r["all_reduce_seconds"] * 2 * (world - 1) / world / 1e9
         rows.append(Row("parallel", f"all_reduce of {cfg['mib']} MiB, {world} ranks (gloo): bus bandwidth", busbw,

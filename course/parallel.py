@@ -89,6 +89,15 @@ def uncut(model) -> list:
     return [p for p in model.parameters() if not hasattr(p, "placements")]
 
 
+def cut_bytes(model) -> dict:
+    """This rank's bytes of the cut parameters ("cut"), their whole size ("cut_whole"), what their placements
+    promise it ("cut_share": the sum of whole / pieces), and into how many pieces they are cut."""
+    cut = cut_parameters(model)
+    return {"cut": sum(nbytes(p) for p in cut), "cut_whole": sum(p.numel() * p.element_size() for p in cut),
+            "cut_share": sum(p.numel() * p.element_size() / pieces(p) for p in cut),
+            "pieces": sorted({pieces(p) for p in cut}), "whole_ones": len(list(model.parameters())) - len(cut)}
+
+
 def held_by_rank(rank: int, model, optimizer) -> list:
     """What this rank holds: its bytes of parameters, gradients and optimizer state, and of the cut
     parameters its pieces against their whole size (printed with its rank); every rank's, on every rank
@@ -99,11 +108,8 @@ def held_by_rank(rank: int, model, optimizer) -> list:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-    cut = cut_parameters(model)
-    mine, whole = sum(nbytes(p) for p in cut), sum(p.numel() * p.element_size() for p in cut)
-    share = sum(p.numel() * p.element_size() / pieces(p) for p in cut)  # what the placements promise
-    holds = dict(held(model, optimizer), cut=mine, cut_whole=whole, cut_share=share,
-                 pieces=sorted({pieces(p) for p in cut}), whole_ones=len(list(model.parameters())) - len(cut))
+    holds = dict(held(model, optimizer), **cut_bytes(model))
+    mine, whole = holds["cut"], holds["cut_whole"]
     rank_print(rank, f"holds {holds['total'] / MB:.3f} MB of parameters, gradients and optimizer state; of the "
                      f"cut parameters {mine / MB:.3f} of {whole / MB:.3f} MB ({mine / whole:.4f})")
     everyone = [None] * dist.get_world_size()

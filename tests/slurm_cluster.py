@@ -106,6 +106,12 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _job_fields(line: str) -> dict[str, str]:
+    """One job of `scontrol show job --oneliner` as a dict.  Values may contain spaces (Command=, Reason=),
+    but keys are single words followed by "="."""
+    return dict(re.findall(r"(\S+?)=(.*?)(?=\s+\S+?=|\s*$)", line))
+
+
 def _wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout
     while True:
@@ -277,16 +283,14 @@ class SlurmCluster:
         shown = self.run(["scontrol", "show", "job", "--oneliner", str(job_id)], timeout=30)
         if shown.returncode != 0:
             return {}
-        # Values may contain spaces (Command=, Reason=), but keys are single words followed by "=".
-        fields = re.findall(r"(\S+?)=(.*?)(?=\s+\S+?=|\s*$)", shown.stdout.strip())
-        return dict(fields)
+        return _job_fields(shown.stdout.strip())
 
     def jobs_info(self) -> dict[int, dict[str, str]]:
         """Every job Slurm still knows (MinJobAge after it ended), by id: one `scontrol show job` for all."""
         shown = self.run(["scontrol", "show", "job", "--oneliner"], timeout=30)
         jobs = {}
         for line in shown.stdout.splitlines() if shown.returncode == 0 else []:
-            fields = dict(re.findall(r"(\S+?)=(.*?)(?=\s+\S+?=|\s*$)", line.strip()))
+            fields = _job_fields(line.strip())
             if fields.get("JobId", "").isdigit():
                 jobs[int(fields["JobId"])] = fields
         return jobs
