@@ -40,8 +40,10 @@ class Row:
     def check(self, op: str, threshold: float, on: str = "ratio") -> "Row":
         x = self.ratio if on == "ratio" else self.value
         ok = x is not None and math.isfinite(x) and (x >= threshold if op == ">=" else x <= threshold if op == "<="
+                                                     else abs(x - 1) <= threshold if op == "within"
                                                      else abs(x - threshold) <= 1e-9 * max(1.0, abs(threshold)))
-        self.goal = f"{on} {op} {threshold:g}" + (f" {self.unit}" if on == "value" else "")
+        self.goal = (f"{on} within {threshold:.0%} of 1" if op == "within" else
+                     f"{on} {op} {threshold:g}" + (f" {self.unit}" if on == "value" else ""))
         self.status = "met" if ok else "not met"
         return self
 

@@ -9,12 +9,17 @@ the lessons do (course/models.py's `tensor_parallel_plan`, course/parallel.py's 
 - the all_reduce's bus bandwidth at 16 MiB (1 MiB with --smoke) at 2 and 4 ranks, timed as lesson 18 times
   it (the slowest rank's seconds per call, best of the rounds; busbw = S / t x 2(n-1)/n): reported, no goal;
 - the time of a training step under TP at 2 ranks against DDP at 2 ranks with the same global batch
-  (reported: on a CPU TP sends 4 activations per block and step where DDP sends the gradients once).
+  (reported: on a CPU TP sends 4 activations per block and step where DDP sends the gradients once);
+- the pipeline's bubble (lesson 21) at p = 2 and 4 stages (one block each): GPipe with m = p micro-batches,
+  1F1B with m = 2p, every stage given a simulated compute of 40 ms per micro-batch forward and 80 ms
+  backward (course/parallel.py's SimulatedCompute; 5 ms with --smoke): rank 0's measured waiting, 1 - the
+  seconds its stage computed / the schedule's seconds, against (p - 1) / (m + p - 1); goal: within 15%.
 On one CPU the ranks share the cores and gloo's collectives run over loopback: the bandwidth is this
 machine's, not a network's.
 """
 import itertools
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -22,7 +27,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import Row, max_over_ranks, spawn
 from course import hardware, parallel
-from course.models import ViT, tensor_parallel_plan
+from course.models import ViT, build_stages, tensor_parallel_plan
 
 
 def _model(cfg, layout: str, world: int):
@@ -59,6 +64,25 @@ def _everyone(value):
     return out
 
 
+def _bubble(rank: int, world: int, cfg: dict, schedule: str, m: int) -> dict:
+    """Lesson 21's pipeline, one block per stage, `cfg["pp_steps"]` timed steps after one that learns the
+    shapes: rank 0's compute seconds and the schedule's seconds."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    args = SimpleNamespace(patch=7, width=cfg["width"], depth=world, heads=cfg["heads"], schedule=schedule,
+                           stage_ms=cfg["stage_ms"], microbatches=m)
+    model, ids, n = build_stages(args, 0, rank, world, torch.device("cpu"))
+    pipes, clock = parallel.timed_stages(model, ids, n, torch.device("cpu"), args)
+    steps = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](pipes[0], m, loss_fn=F.cross_entropy)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4 * m, 1, 28, 28, generator=g), torch.randint(0, 10, (4 * m,), generator=g)
+    for step in range(cfg["pp_steps"] + 1):
+        with clock.step(step + 1):
+            steps.step(*([x] if rank == 0 else []), **({"target": y} if rank == world - 1 else {}))
+        model.zero_grad()
+    return {"busy": clock.busy, "seconds": clock.seconds}
+
+
 def _worker(rank, world, cfg):
     result = {"held": {}}
     layouts = ["tp"] + (["fsdp-tp", "hsdp"] if world == 4 else [])
@@ -88,13 +112,15 @@ def _worker(rank, world, cfg):
                 seconds = max_over_ranks(time.perf_counter() - start) / cfg["steps"]
                 steps[k] = min(steps[k], seconds) if round_ else steps[k]
         result["step_seconds"] = steps
+    result["bubble"] = {f"{schedule} {m}": _bubble(rank, world, cfg, schedule, m)
+                        for schedule, m in (("gpipe", world), ("1f1b", 2 * world))}
     return result
 
 
 def run(ctx):
     cfg = {"width": ctx.pick(32, 128, 128), "depth": ctx.pick(2, 4, 8), "heads": 4, "batch": ctx.pick(16, 64, 64),
            "mib": ctx.pick(1, 16, 64), "calls": ctx.pick(1, 5, 10), "rounds": ctx.pick(1, 3, 5),
-           "steps": ctx.pick(1, 3, 5)}
+           "steps": ctx.pick(1, 3, 5), "stage_ms": ctx.pick(5, 40, 40), "pp_steps": ctx.pick(1, 3, 5)}
     model = f"vit w{cfg['width']} d{cfg['depth']}"
     rows = []
     for world in (2, 4):
@@ -125,4 +151,13 @@ def run(ctx):
                             f"DDP, {cfg['batch'] // 2} per rank (> 1: slower)",
                             note=f"DDP {s['ddp'] * 1e3:.1f} ms; best of {cfg['rounds']} rounds of {cfg['steps']} "
                                  f"steps, 1 thread per rank"))
+        for key, b in r["bubble"].items():
+            schedule, m = key.split()
+            measured, formula = 1 - b["busy"] / b["seconds"], (world - 1) / (int(m) + world - 1)
+            rows.append(Row("parallel", f"pipeline bubble, p = {world} stages, m = {m}, {schedule}, "
+                            f"{cfg['stage_ms']} ms per stage forward (lesson 21)", measured, "of the step",
+                            measured / formula, f"(p - 1) / (m + p - 1) = {formula:.3f}",
+                            note=f"rank 0 computed {b['busy'] / cfg['pp_steps'] * 1e3:.0f} of "
+                                 f"{b['seconds'] / cfg['pp_steps'] * 1e3:.0f} ms a step; mean of "
+                                 f"{cfg['pp_steps']} steps").check("within", 0.15))
     return rows

@@ -38,14 +38,23 @@ def non_negative_int(text: str) -> int:
     return _whole_number(text, 0, "0 or more")
 
 
-def positive_float(text: str) -> float:
+def _number(text: str, zero: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be greater than 0")
+    if not (value >= 0 if zero else value > 0):
+        raise argparse.ArgumentTypeError(f"{value} must be {'0 or more' if zero else 'greater than 0'}")
     return value
+
+
+def positive_float(text: str) -> float:
+    return _number(text, zero=False)
+
+
+def non_negative_float(text: str) -> float:
+    """A time that may be 0 (0 ms of simulated compute: none)."""
+    return _number(text, zero=True)
 
 
 class NprocGiven(argparse.Action):

@@ -202,7 +202,9 @@ class StepPeak:
         self.steps, self.tracker, self.measured = 0, None, None
         compiled = hasattr(model, "_orig_mod")  # torch.compile's wrapper
         self.unmeasurable = "torch.compile's CPU kernels" if compiled and device.type != "cuda" else ""
-        model.register_forward_pre_hook(self._begin, prepend=True)
+        # a pipeline rank's stages (lesson 21) are an nn.ModuleList, never called itself: its first stage begins a step
+        begins = model[0] if isinstance(model, torch.nn.ModuleList) else model
+        begins.register_forward_pre_hook(self._begin, prepend=True)
         optimizer.register_step_post_hook(self._end)
 
     def _begin(self, module, inputs) -> None:

@@ -125,7 +125,8 @@ def add_vit_args(p, width: int = 64):
 # the lessons that only make sense with the ViT, and why
 VIT_ONLY = {"18_hardware_limits": "lesson 18 compares the FLOPs it counts with a transformer's formula",
             "19_tensor_parallel": "tensor parallelism cuts the ViT's attention and MLP layers",
-            "20_device_mesh_2d": "tensor parallelism cuts the ViT's attention and MLP layers"}
+            "20_device_mesh_2d": "tensor parallelism cuts the ViT's attention and MLP layers",
+            "21_pipeline_parallel": "the pipeline's stages are runs of the ViT's blocks"}
 
 
 def check_vit_args(args) -> None:
@@ -175,3 +176,82 @@ def check_tensor_parallel(args, degree: int) -> None:
         raise CourseError(f"--heads {args.heads} does not divide among {degree} tensor-parallel ranks (each rank "
                           f"computes whole heads); use {sizes} ranks, or --heads {degree} (or a multiple) with a "
                           f"--width it divides")
+
+
+class Stage(nn.Module):
+    """One pipeline stage of the ViT (lesson 21): a run of consecutive blocks; the first stage also turns the
+    images into tokens (embed, position), the last also classifies them (norm, head).  Its parameters keep
+    the ViT's names ("blocks.2.qkv.weight"), so the stages' state dicts together are a ViT's.  The forward
+    pass is the ViT's, each part where this stage has it."""
+
+    def __init__(self, parts: dict):
+        super().__init__()
+        self.blocks = nn.ModuleDict()  # keyed by the block's index in the whole ViT
+        for name, part in parts.items():
+            if name.startswith("blocks."):
+                self.blocks[name.split(".")[1]] = part
+            else:
+                setattr(self, name, part)
+
+    def forward(self, x):
+        if hasattr(self, "embed"):  # the first stage: images -> tokens
+            x = self.embed(x).flatten(2).transpose(1, 2) + self.position
+        for block in self.blocks.values():
+            x = block(x)
+        if hasattr(self, "head"):  # the last stage: tokens -> logits
+            x = self.head(self.norm(x).mean(1))
+        return x.contiguous()  # sent to the next stage as laid out: the tokens' transpose above is not contiguous
+
+
+def pipeline_plan(depth: int, stages: int) -> list:
+    """How lesson 21 cuts the ViT into `stages` pipeline stages: the names of the parts each stage holds.
+    Consecutive blocks, depth / stages each; stage 0 also holds the embedding, the last stage the norm and
+    the head (their compute is small next to a block's)."""
+    per = depth // stages
+    plan = [[f"blocks.{i}" for i in range(s * per, (s + 1) * per)] for s in range(stages)]
+    plan[0][:0] = ["embed", "position"]
+    plan[-1] += ["norm", "head"]
+    return plan
+
+
+def build_stages(args, seed: int, rank: int, ranks: int, device) -> tuple:
+    """(this rank's stages as an nn.ModuleList on `device`, their indices, the number of stages).  Stage r of
+    p; an interleaved schedule (--schedule interleaved-1f1b) gives each rank 2 stages, placed in a loop as
+    torch's interleaved schedules expect: rank r holds stages r and r + p of 2p.  Each stage is built from
+    the ViT's parts drawn one at a time in order under `seed` (vit_parts): together the stages hold a whole
+    ViT's initial weights at that seed, and no rank ever holds more of the model than its stages and one
+    more block."""
+    per_rank = 2 if args.schedule.startswith("interleaved") else 1
+    ids, stages = [rank + i * ranks for i in range(per_rank)], per_rank * ranks
+    plan = pipeline_plan(args.depth, stages)
+    torch.manual_seed(seed)
+    kept = {s: {} for s in ids}
+    for name, part in vit_parts(args.patch, args.width, args.depth, args.heads):
+        for s in ids:
+            if name in plan[s]:
+                kept[s][name] = part
+    return nn.ModuleList(Stage(kept[s]) for s in ids).to(device), ids, stages
+
+
+def check_pipeline(args, ranks: int) -> None:
+    """Lesson 21's sizes as one clear line, before any rank starts: the blocks divide among the stages, the
+    batch into equal micro-batches (every micro-batch has the shape of the first), and the schedule's own
+    rules on the number of micro-batches (torch 2.14.1 raises them only once the ranks have started)."""
+    from course.cli import CourseError
+
+    stages = ranks * (2 if args.schedule == "interleaved-1f1b" else 1)
+    m = args.microbatches
+    if args.depth % stages:
+        what = f"{ranks} ranks x 2 stages each" if stages != ranks else f"{ranks} stages (one per rank)"
+        raise CourseError(f"--depth {args.depth} blocks do not divide among {what}; use --depth "
+                          f"{stages * max(1, args.depth // stages)} or another number of ranks")
+    if args.batch_size % m:
+        raise CourseError(f"--batch-size {args.batch_size} does not split into {m} equal micro-batches "
+                          f"(--microbatches); use a batch size that is a multiple of {m}")
+    if args.schedule == "1f1b" and m < ranks:
+        raise CourseError(f"--schedule 1f1b needs at least as many micro-batches as stages: --microbatches {m} "
+                          f"< {ranks} stages; use --microbatches {ranks} or more (or --schedule gpipe)")
+    rounds = max(1, m // ranks)
+    if args.schedule == "interleaved-1f1b" and m % rounds:
+        raise CourseError(f"--schedule interleaved-1f1b runs the micro-batches in rounds of {ranks} (the ranks): "
+                          f"--microbatches {m} is not a multiple of its {rounds} rounds; use a multiple of {ranks}")

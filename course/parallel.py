@@ -1,9 +1,13 @@
 """Day 4's bookkeeping: the collectives a step issued (counted by torch's CommDebugMode), what each rank
 holds of the parameters that were cut (its pieces, against the whole), and where a mesh's ranks run."""
+import collections
+import contextlib
 import math
 import os
 import socket
+import time
 
+import torch
 import torch.distributed as dist
 
 from course.hardware import all_reduce_seconds, collectives_table, one_rank
@@ -42,12 +46,17 @@ def check_mesh(args, world_size: int) -> None:
         check_tensor_parallel(args, args.inner)
 
 
+def node() -> str:
+    """This rank's node: Slurm's name for it in a job step, else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def mesh_hosts(rank: int, mesh) -> dict:
     """Every rank's node (a collective: all ranks call it): Slurm's name for it in a job step, else the host
     name; rank 0 prints the mesh's rows with their nodes.
     {"dims": names, "rows": [[ranks]], "hosts": [node of rank r], "rows_in_one_node": bool}."""
     hosts = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+    dist.all_gather_object(hosts, node())
     rows = mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()
     inside = all(len({hosts[r] for r in row}) == 1 for row in rows)
     if rank == 0:
@@ -147,3 +156,166 @@ def report(rank: int, model, optimizer, rows: list, comms: dict, args, step_seco
               + f": {max(r['total'] for r in per_rank) / MB:.3f} MB of parameters, gradients and optimizer state "
                 f"on the fullest rank", flush=True)
     return per_rank
+
+
+# ------------------------------------------------------------------------------------- lesson 21: pipelines
+
+class _Wait(torch.autograd.Function):
+    """The identity, which sleeps `seconds` in the forward pass and twice that in the backward pass."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class SimulatedCompute(torch.nn.Module):
+    """--stage-ms: a stage's compute made to take a fixed time per micro-batch, f ms forward and 2f backward
+    (a backward pass computes two products per forward one), by sleeping: the same on every stage and
+    every machine, and on a CPU it leaves the cores to the other ranks.  0: nothing added."""
+
+    def __init__(self, ms: float):
+        super().__init__()
+        self.seconds = ms / 1e3
+
+    def forward(self, x):
+        return _Wait.apply(x, self.seconds) if self.seconds else x
+
+
+def timed_stages(model, ids: list, stages: int, device, args, untimed: tuple = (1,)) -> tuple:
+    """(a PipelineStage for each of this rank's stages `model[i]`, whose indices are `ids` of `stages`; a
+    PipelineClock of them).  Each is torch's PipelineStage for the stage followed by the simulated compute of
+    --stage-ms (SimulatedCompute, divided among a rank's stages: each rank computes the same in all), which
+    also keeps the book of its compute: `.busy`, the seconds its forward and backward chunks took (everything
+    a schedule runs on this rank except its waits for the other stages, which are outside the chunks, and
+    the last stage's loss), and `.spans`, the last 4096 chunks as (stage, "F" or "B", micro-batch, start,
+    end), in seconds of the wall clock (time.time(): the same clock on every process of a machine, and
+    within the clocks' synchronization across nodes)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class TimedStage(PipelineStage):
+        busy, spans = 0.0, None
+
+        def _timed(self, kind, run, chunk, *args, **kwargs):
+            begun, wall = time.perf_counter(), time.time()
+            try:
+                return run(chunk, *args, **kwargs)
+            finally:
+                took = time.perf_counter() - begun
+                self.busy += took
+                self.spans = self.spans if self.spans is not None else collections.deque(maxlen=4096)
+                self.spans.append((self.stage_index, kind, chunk, wall, wall + took))
+
+        def forward_one_chunk(self, chunk, *args, **kwargs):
+            return self._timed("F", super().forward_one_chunk, chunk, *args, **kwargs)
+
+        def backward_one_chunk(self, chunk, *args, **kwargs):
+            return self._timed("B", super().backward_one_chunk, chunk, *args, **kwargs)
+
+    pipes = [TimedStage(torch.nn.Sequential(stage, SimulatedCompute(args.stage_ms / len(ids))), i, stages, device)
+             for stage, i in zip(model, ids)]
+    return pipes, PipelineClock(pipes, untimed)
+
+
+class PipelineClock:
+    """This rank's book of its pipeline's steps (lesson 21): `with clock.step(n):` around the schedule's step
+    n (from 1) adds the step's seconds and the seconds this rank's stages computed in it (their `.busy`),
+    except in the steps `untimed`: the first, which also sends a micro-batch through the stages to learn
+    the activations' shapes, and the one whose memory StepPeak measures (its tracking of every tensor slows
+    the compute down, unevenly over the stages)."""
+
+    def __init__(self, pipes: list, untimed: tuple = (1,)):
+        self.pipes, self.untimed, self.seconds, self.busy, self.steps, self.since = pipes, untimed, 0.0, 0.0, 0, 0.0
+        self.per_step = []  # [step, seconds, of which computed] of each timed step
+
+    @contextlib.contextmanager
+    def step(self, n: int):
+        begun, computed, self.since = time.perf_counter(), sum(p.busy for p in self.pipes), time.time()
+        yield
+        if n not in self.untimed:
+            seconds, busy = time.perf_counter() - begun, sum(p.busy for p in self.pipes) - computed
+            self.seconds, self.busy, self.steps = self.seconds + seconds, self.busy + busy, self.steps + 1
+            self.per_step.append([n, seconds, busy])
+
+    def report(self, rank: int, ranks: int, args, ids: list, stages) -> tuple:
+        """Every rank (a collective): prints its node, its stages and the parameters they hold; returns (the
+        bubble, the last step's timeline), and rank 0 prints the bubble.
+        The bubble: the fraction of the timed steps this rank waited, measured against the formula.
+        Measured, in the median timed step: 1 - (the seconds its stages computed, forward and backward) / (the
+        step's seconds).
+        Formula, for p ranks and m micro-batches of equal compute time (GPipe and 1F1B): (p - 1) / (m + p - 1);
+        interleaved, v stages per rank each with 1/v of the work: (p - 1) / (v m + p - 1).  Of the compute,
+        m x 3f a step was simulated (--stage-ms f), the rest real.  The timeline: every rank's chunks of the
+        last step, on rank 0, as [rank, stage, kind, micro-batch, start, end] in seconds from the earliest."""
+        from course.models import pipeline_plan
+
+        p, m, v = ranks, args.microbatches, len(ids)
+        held = sum(nbytes(t) for t in stages.parameters()) / MB
+        parts = "; ".join(", ".join(pipeline_plan(args.depth, v * p)[i]) for i in ids)
+        rank_print(rank, f"on {node()}, stage{'s' * (v > 1)} {', '.join(map(str, ids))} of {v * p} ({parts}): "
+                         f"{held:.3f} MB of parameters")
+        # the median timed step (the lower middle one of an even number): one slow step (another program, a
+        # first use of something) moves it less than it moves the mean
+        middle = sorted(self.per_step, key=lambda s: 1 - s[2] / s[1])[(len(self.per_step) - 1) // 2] \
+            if self.per_step else [0, 0.0, 0.0]
+        bubble = {"schedule": args.schedule, "ranks": p, "stages": v * p, "microbatches": m, "stages_per_rank": v,
+                  "stage_ms": args.stage_ms, "timed_steps": self.steps, "median_step": middle[0],
+                  "busy_seconds": middle[2], "seconds": middle[1],
+                  "measured": 1 - middle[2] / middle[1] if middle[1] else float("nan"),
+                  "formula": (p - 1) / (v * m + p - 1), "simulated_seconds": m * 3 * args.stage_ms / 1e3,
+                  "per_step": self.per_step[-64:]}
+        mine = [[rank, stage, kind, chunk, a, b] for pipe in self.pipes for stage, kind, chunk, a, b in
+                (pipe.spans or []) if a >= self.since]
+        every = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(mine, every, dst=0)
+        if rank:
+            return bubble, []
+        bubble_report(bubble, args.schedule)
+        spans = sorted(span for spans in every for span in spans)
+        zero = min((s[4] for s in spans), default=0.0)
+        return bubble, [[*s[:4], s[4] - zero, s[5] - zero] for s in spans]
+
+
+def whole_model(stages, args, device):
+    """Every rank (a collective) sends its stages' weights to every other (their parameter names are the
+    ViT's); each rank gets the whole model: the state dict, and the ViT built from it.  Lesson 21's ViT is
+    small; a model too large for one process would be evaluated through the pipeline (`schedule.eval`)."""
+    from course.models import model_from_args
+
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {k: t.detach().cpu() for stage in stages for k, t in stage.state_dict().items()})
+    full = {k: t for part in parts for k, t in part.items()}
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # no weights drawn, the RNG left as it was
+        model = model_from_args(args, args.seed)
+    model.load_state_dict({k: t.to(device) for k, t in full.items()}, assign=True)
+    return full, model
+
+
+def add_pipeline_args(p, schedules):
+    """Lesson 21's flags: the schedule, the micro-batches and the simulated stage time."""
+    from course.cli import non_negative_float, positive_int
+
+    p.add_argument("--schedule", default="gpipe", choices=sorted(schedules), help="the order of the micro-batches")
+    p.add_argument("--microbatches", type=positive_int, default=4, help="micro-batches per batch (m)")
+    p.add_argument("--stage-ms", type=non_negative_float, default=0.0,
+                   help="simulated compute per stage and micro-batch: f ms forward, 2f backward (0: none)")
+    return p
+
+
+def bubble_report(b: dict, schedule: str) -> None:
+    """Rank 0: its compute and waiting over the timed steps, and the bubble against the formula."""
+    p, m, v, steps = b["ranks"], b["microbatches"], b["stages_per_rank"], b["timed_steps"]
+    if not steps:
+        return
+    per_step, busy = b["seconds"] * 1e3, b["busy_seconds"] * 1e3
+    simulated = f" ({b['simulated_seconds'] * 1e3:.0f} ms of it simulated, --stage-ms {b['stage_ms']:g})" if b["stage_ms"] else ""
+    print(f"{schedule}, p = {p} ranks, m = {m} micro-batches: the median of {steps} timed steps took {per_step:.1f} ms, in which rank 0's "
+          f"stage{'s' * (v > 1)} computed {busy:.1f} ms{simulated}: bubble {b['measured']:.3f} measured, {b['formula']:.3f} "
+          f"by the formula (p - 1) / ({'2m' if v == 2 else 'm'} + p - 1) = {p - 1}/{v * m + p - 1} "
+          f"({b['measured'] / b['formula'] if b['formula'] else float('nan'):.2f}x)", flush=True)

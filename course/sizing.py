@@ -10,7 +10,8 @@ What each day's hands-on needs per learner, one rank per GPU (CPU-only: CPUS_PER
 - day 3: the FSDP2 and DCP lessons run RANKS_DAY3 ranks (lesson 16 resumes 4 -> 2), on one node or 2 x 2;
   in pairs, one allocation per pair;
 - day 4: tensor parallelism runs RANKS_DAY4 ranks inside one node (its all_reduces need the node's fast
-  link), 2 where a node holds fewer; lesson 20 a 2-D mesh of 2 rows x 2 ranks, a row on each of 2 nodes;
+  link), 2 where a node holds fewer; lesson 20 a 2-D mesh of 2 rows x 2 ranks, a row on each of 2 nodes,
+  and lesson 21 a pipeline of 4 stages, 2 on each of 2 nodes;
   the day needs the larger of the two; in pairs, one allocation per pair.
 Learners share a node when their ranks fit on it together (`salloc --gpus-per-node 1` or `--ntasks 2` asks
 for part of a node); `--exclusive` sites give each allocation whole nodes: then count one per learner.
@@ -23,7 +24,7 @@ RANKS_DAY1 = 2   # --nproc 2: what the notebooks and the quick sequence use; 4 i
 RANKS_DAY2 = 2   # one rank on each of 2 nodes, or 2 per node when a pair shares
 RANKS_DAY3 = 4
 RANKS_DAY4 = 4   # lesson 19 at --nproc 4 (4 heads: one each); 2 where a node holds fewer
-ROW_DAY4 = 2     # lesson 20: ranks per node (a row of its mesh), on 2 nodes
+ROW_DAY4 = 2     # lessons 20 and 21: ranks per node (a row of 20's mesh, 2 of 21's stages), on 2 nodes
 CPUS_PER_RANK = 2
 
 
@@ -50,7 +51,7 @@ def nodes_per_day(learners: int, gpus_per_node: int = 0, cpus_per_node: int = 0,
     day3_nodes = 1 if slots >= RANKS_DAY3 else 2
     by_pair = math.ceil(learners / 2) if pairs else learners
     day4 = [packed(RANKS_DAY4 if slots >= RANKS_DAY4 else 2, 1, by_pair),  # lesson 19, one node
-            packed(2 * ROW_DAY4, 2, by_pair)]  # lesson 20, a row on each of 2 nodes
+            packed(2 * ROW_DAY4, 2, by_pair)]  # lessons 20 and 21, 2 ranks on each of 2 nodes
     return {1: packed(RANKS_DAY1), 2: packed(day2_ranks, 2, day2_groups), 3: packed(RANKS_DAY3, day3_nodes, by_pair),
             4: max(day4, key=lambda nodes_how: nodes_how[0])}
 

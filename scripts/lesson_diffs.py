@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # (earlier lesson, later lesson): each later lesson is read as a diff against the earlier one
-PAIRS = [(0, 1), (2, 3), (3, 4), (4, 5), (4, 6), (6, 7), (6, 8), (6, 10), (10, 11), (10, 12), (6, 13), (13, 14), (13, 15), (15, 16), (6, 17), (13, 18), (18, 19), (19, 20)]
+PAIRS = [(0, 1), (2, 3), (3, 4), (4, 5), (4, 6), (6, 7), (6, 8), (6, 10), (10, 11), (10, 12), (6, 13), (13, 14), (13, 15), (15, 16), (6, 17), (13, 18), (18, 19), (19, 20), (19, 21)]
 
 
 def lesson_file(number: int) -> Path:

@@ -36,6 +36,8 @@ CPU_GOALS = {
       for what in ("every file of a save, each rank its own (lesson 16)", "the one file on rank 0 (lesson 12)")),
     *(f"vit w32 d2, {w} ranks: cut parameter bytes on the fullest rank, tensor parallel (lesson 19)" for w in (2, 4)),
     *(f"vit w32 d2, 2 x 2 mesh: cut parameter bytes on all ranks, {layout} (lesson 20)" for layout in ("fsdp-tp", "hsdp")),
+    *(f"pipeline bubble, p = {p} stages, m = {m}, {schedule}, 5 ms per stage forward (lesson 21)"
+      for p in (2, 4) for schedule, m in (("gpipe", p), ("1f1b", 2 * p))),
 }
 # goals on counted bytes: met at any size and load (the --smoke run's too)
 EXACT_GOALS = {name for name in CPU_GOALS if "cut parameter bytes" in name}

@@ -54,6 +54,8 @@ BAD_OPTION_VALUES = {
     "--save-every": ["0", "x"],
     "--sizes-mib": ["0", "-1", "x"],
     "--inner": ["0", "x", "3"],  # 3 does not divide lesson 20's 4 ranks into rows
+    "--microbatches": ["0", "x", "7"],  # 7 does not split lesson 21's default batch of 64 evenly
+    "--stage-ms": ["-1", "x", "nan"],
 }
 # Options that are used only with another one: the bad value is given with it.
 OPTION_NEEDS = {"--log-dir": [("--profile",)], "--watch-interval": [("--watch-hardware",)],
@@ -94,7 +96,7 @@ ENV_NOT_WALKED = {
     "SLURM_JOB_NODELIST": "a host list handed to scontrol, which names what it cannot expand",
     "SLURM_STEP_ID": "only compared, never parsed",
     "SLURM_GPUS_ON_NODE": "only printed",
-    "SLURMD_NODENAME": "only printed and compared: the node a rank runs on (lesson 20's mesh rows)",
+    "SLURMD_NODENAME": "only printed and compared: the node a rank runs on (lesson 20's mesh rows, lesson 21's stages)",
     "SLURM_RESTART_COUNT": "set by Slurm itself on a requeue, only counted",
     "TORCHELASTIC_RESTART_COUNT": "set by torchrun itself, only counted",
     "CUDA_VISIBLE_DEVICES": "read by the CUDA runtime; course/devices.py says when a rank sees no GPU",

@@ -44,8 +44,9 @@ def is_day2(launcher: Path) -> bool:
 
 
 def two_nodes(launcher: Path) -> bool:
-    """Day 2's launchers, and lesson 20's: one row of its 2-D mesh per node."""
-    return is_day2(launcher) or launcher.stem == "20_device_mesh_2d"
+    """Day 2's launchers, lesson 20's (one row of its 2-D mesh per node) and lesson 21's (its stages in order
+    over both nodes)."""
+    return is_day2(launcher) or launcher.stem in ("20_device_mesh_2d", "21_pipeline_parallel")
 
 
 def sbatch_lines(launcher: Path) -> list[str]:
@@ -361,6 +362,8 @@ SMALL = ["--quick", "--train-samples", "3200"]  # 1 epoch, 50 steps for 1 rank; 
 RUNS = {
     # 2 nodes x 2 ranks: TP inside each node, FSDP2 across the two (--inner: the tasks per node)
     "20_device_mesh_2d": SMALL + ["--max-steps", "6", "--sizes-mib", "0.25"],
+    # 2 nodes x 2 ranks: 4 stages of one block each, 1F1B over 8 micro-batches of 8
+    "21_pipeline_parallel": SMALL + ["--max-steps", "6"],
     "12_ddp_fault_tolerance": SMALL,
     "11_mnist_ddp_pt_multinode_streaming": SMALL,
     "10_mnist_ddp_pt_multinode": SMALL,
@@ -550,6 +553,15 @@ def check_20_device_mesh_2d(log, work):
             in log)
     assert "fsdp-tp on a 2 x 2 mesh, global batch 128, fp32: test accuracy" in log
     assert (work / "runs/20_device_mesh_2d/model.pt").stat().st_size > 0
+
+
+def check_21_pipeline_parallel(log, work):
+    assert "+ srun --kill-on-bad-exit=1" in log and "21_pipeline_parallel.py --depth 4 --schedule 1f1b --microbatches 8" in log
+    # the stages in order over the nodes: ranks 0-1 on the first, 2-3 on the second
+    assert re.search(r"\[rank 1\] on node1, stage 1 of 4 \(blocks.1\)", log), log
+    assert re.search(r"\[rank 3\] on node2, stage 3 of 4 \(blocks.3, norm, head\)", log), log
+    assert "4 pipeline ranks, 4 stages, batch 64 in 8 micro-batches, 1f1b, fp32: test accuracy" in log
+    assert (work / "runs/21_pipeline_parallel/model.pt").stat().st_size > 0
 
 
 def check_create_mnist_h5(log, work):
