@@ -288,6 +288,16 @@ def budget_verdict(planned: dict, budget_mb: float) -> str:
             f"FSDP2 over {w} rank{'s' * (w > 1)} needs {fsdp:.2f} MB ({fits(fsdp)})")
 
 
+def reshard(model) -> None:
+    """`reshard()` on every FSDP2 module of `model`: frees the whole parameters FSDP2 keeps gathered after a
+    forward pass without a backward (the root's always; every block's with reshard_after_forward=False)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def gather(rank: int, model, optimizer, after_forward: dict) -> list:
     """What this rank holds (printed with its rank), and every rank's counts on every rank (a collective:
     all ranks call it).  FSDP2 keeps the root module's gathered parameters after a forward pass, and with
@@ -297,11 +307,7 @@ def gather(rank: int, model, optimizer, after_forward: dict) -> list:
 
     from course.output import rank_print
 
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    reshard(model)
     holds = dict(held(model, optimizer), after_forward=after_forward["peak"])
     rank_print(rank, "holds " + ", ".join(f"{k.replace('_', ' ')} {v / MB:.3f} MB" for k, v in holds.items()))
     everyone = [None] * dist.get_world_size()

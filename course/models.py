@@ -253,5 +253,6 @@ def check_pipeline(args, ranks: int) -> None:
                           f"< {ranks} stages; use --microbatches {ranks} or more (or --schedule gpipe)")
     rounds = max(1, m // ranks)
     if args.schedule == "interleaved-1f1b" and m % rounds:
-        raise CourseError(f"--schedule interleaved-1f1b runs the micro-batches in rounds of {ranks} (the ranks): "
-                          f"--microbatches {m} is not a multiple of its {rounds} rounds; use a multiple of {ranks}")
+        raise CourseError(f"--schedule interleaved-1f1b splits the micro-batches into max(1, m // p) = {rounds} "
+                          f"rounds of equal size (p = {ranks} ranks): --microbatches {m} is not a multiple of "
+                          f"{rounds}; use a multiple of {ranks}")

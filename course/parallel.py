@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from course.hardware import all_reduce_seconds, collectives_table, one_rank
-from course.memory import MB, held, nbytes
+from course.memory import MB, held, nbytes, reshard
 from course.output import rank_print
 
 
@@ -112,11 +112,7 @@ def held_by_rank(rank: int, model, optimizer) -> list:
     parameters its pieces against their whole size (printed with its rank); every rank's, on every rank
     (a collective: all ranks call it).  FSDP2 keeps the root's gathered parameters after evaluation's
     forward pass: `reshard()` frees them first (course/memory.py, gather), so that the count is the shards."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    reshard(model)
     holds = dict(held(model, optimizer), **cut_bytes(model))
     mine, whole = holds["cut"], holds["cut_whole"]
     rank_print(rank, f"holds {holds['total'] / MB:.3f} MB of parameters, gradients and optimizer state; of the "
@@ -192,9 +188,11 @@ def timed_stages(model, ids: list, stages: int, device, args, untimed: tuple = (
     """(a PipelineStage for each of this rank's stages `model[i]`, whose indices are `ids` of `stages`; a
     PipelineClock of them).  Each is torch's PipelineStage for the stage followed by the simulated compute of
     --stage-ms (SimulatedCompute, divided among a rank's stages: each rank computes the same in all), which
-    also keeps the book of its compute: `.busy`, the seconds its forward and backward chunks took (everything
-    a schedule runs on this rank except its waits for the other stages, which are outside the chunks, and
-    the last stage's loss), and `.spans`, the last 4096 chunks as (stage, "F" or "B", micro-batch, start,
+    also keeps the book of its compute: `.busy`, the seconds its forward and backward chunks took (the
+    schedules wait for the other stages' sends outside the chunks; also outside: the last stage's loss in
+    the forward pass, the gradients' division by m after the last backward, posting the sends, cutting the
+    batch and merging the outputs; on a GPU the chunk's kernels are waited for, so that their time counts,
+    not only their launch), and `.spans`, the last 4096 chunks as (stage, "F" or "B", micro-batch, start,
     end), in seconds of the wall clock (time.time(): the same clock on every process of a machine, and
     within the clocks' synchronization across nodes)."""
     from torch.distributed.pipelining import PipelineStage
@@ -203,10 +201,15 @@ def timed_stages(model, ids: list, stages: int, device, args, untimed: tuple = (
         busy, spans = 0.0, None
 
         def _timed(self, kind, run, chunk, *args, **kwargs):
+            cuda = self.device.type == "cuda"  # NCCL's waits only order the GPU's streams: the host goes on
+            if cuda:
+                torch.cuda.synchronize(self.device)
             begun, wall = time.perf_counter(), time.time()
             try:
                 return run(chunk, *args, **kwargs)
             finally:
+                if cuda:
+                    torch.cuda.synchronize(self.device)
                 took = time.perf_counter() - begun
                 self.busy += took
                 self.spans = self.spans if self.spans is not None else collections.deque(maxlen=4096)
@@ -226,8 +229,8 @@ def timed_stages(model, ids: list, stages: int, device, args, untimed: tuple = (
 class PipelineClock:
     """This rank's book of its pipeline's steps (lesson 21): `with clock.step(n):` around the schedule's step
     n (from 1) adds the step's seconds and the seconds this rank's stages computed in it (their `.busy`),
-    except in the steps `untimed`: the first, which also sends a micro-batch through the stages to learn
-    the activations' shapes, and the one whose memory StepPeak measures (its tracking of every tensor slows
+    except in the steps `untimed`: the first, in which torch also runs an extra forward and backward pass
+    through the stages to learn the activations' shapes, and the one whose memory StepPeak measures (its tracking of every tensor slows
     the compute down, unevenly over the stages)."""
 
     def __init__(self, pipes: list, untimed: tuple = (1,)):

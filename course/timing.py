@@ -350,8 +350,8 @@ def explain(row: dict, table: list, numel: int, run_dir: Path) -> None:
     elif gain * (1 + relative) < 1:
         split = f"{w} processes x {t} threads do a step's work slower than 1 process x {t1} threads ({gain:.2f}x)"
     else:
-        split = (f"the {w} ranks share the cores 1 process had: they add no cores, and how much better they use "
-                 f"them ({gain:.2f}x) is within the noise")
+        split = (f"the {w} ranks share the cores 1 process had: they add no cores, and the difference in how "
+                 f"they use them ({gain:.2f}x) is within the noise")
     if measured - spread > 1:
         verdict = "pay off"
     elif measured + spread < 1:

@@ -15,9 +15,9 @@ Lesson 19's loop with tensor parallelism replaced by pipeline parallelism (PP):
   time under the same seed: the stages together start from one process's weights at that seed, and no rank
   holds the whole model.  Each becomes a torch `PipelineStage` (course/parallel.py, `timed_stages`: the
   class, which also adds up the seconds its forward and backward chunks compute).
-- While the last stage works on the first micro-batch the first stage could only wait: the batch is cut
-  into m micro-batches (--microbatches), so that stage 0 computes micro-batch 2 while stage 1 computes
-  micro-batch 1.  torch.distributed.pipelining runs them in an order, the schedule (--schedule):
+- While the last stage works on the whole batch the first stage could only wait: the batch is cut into m
+  micro-batches (--microbatches), numbered from 0, so that stage 0 computes micro-batch 1 while stage 1
+  computes micro-batch 0.  torch.distributed.pipelining runs them in an order, the schedule (--schedule):
   GPipe: every micro-batch's forward, then every backward; a stage holds the activations of all m.
   1F1B: after a warm-up of p - r forwards on rank r, a backward after each forward: at most p micro-batches'
   activations held, the same waiting time; torch requires m >= p.  Interleaved 1F1B: 2 stages per rank (rank r holds stages r and
@@ -26,13 +26,15 @@ Lesson 19's loop with tensor parallelism replaced by pipeline parallelism (PP):
   of a step (interleaved: (p - 1) / (2m + p - 1)).  --stage-ms f makes each stage's compute take f ms in the
   forward and 2f in the backward per micro-batch (a sleep: course/parallel.py), so that the measured
   waiting can be compared with the formula: 1 - the seconds rank 0's stages computed (their forward and
-  backward chunks, simulated and real compute) / the seconds its schedule's steps took.  The sends and the
-  schedule's own Python count as waiting.
+  backward chunks, simulated and real compute) / the seconds its schedule's steps took.  The sends, the
+  schedule's own Python, the last stage's loss and the gradients' division by m count as waiting.
 - The loss: `loss_fn` is one micro-batch's mean cross entropy; the schedule adds up the m micro-batches'
   gradients and divides by m (`scale_grads=True`, its default): the gradient of the batch's mean loss, as
-  one process computes it.  The last stage's `step` returns the batch's logits (its loss is printed).  The
-  first step also sends a micro-batch through the stages to learn the activations' shapes; every later
-  micro-batch must have that shape, so an epoch's last, smaller batch is skipped.  Neither step 1 nor
+  one process computes it.  The last stage's `step` returns the batch's logits (its loss is printed).  In
+  the first step torch also runs an extra forward and backward pass through the stages to learn the shapes
+  of the activations and their gradients (stage 0 on the first micro-batch, each later stage on an empty
+  tensor of the shape the one before reports: only shapes travel), and allocates its receive buffers once:
+  every later micro-batch must have that shape, so an epoch's last, smaller batch is skipped.  Neither step 1 nor
   step 3 (whose memory is measured: the tracking slows the compute down) is timed.
 - The gradient clip: each rank holds only its stages' gradients: their squared norms are added up over the
   ranks (one all_reduce), and every rank scales its own by the same factor.

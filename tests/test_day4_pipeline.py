@@ -110,7 +110,7 @@ def test_bad_pipeline_input_is_one_line_before_any_rank_starts(lesson_main):
              (["--depth", "4", "--nproc", "4", "--schedule", "1f1b", "--microbatches", "2"],
               "--schedule 1f1b needs at least as many micro-batches as stages: --microbatches 2 < 4 stages"),
              (["--nproc", "2", "--schedule", "interleaved-1f1b", "--microbatches", "5", "--batch-size", "60"],
-              "--microbatches 5 is not a multiple of its 2 rounds"),
+              "--microbatches 5 is not a multiple of 2; use a multiple of 2"),
              (["--model", "mlp"], "the pipeline's stages are runs of the ViT's blocks"),
              (["--stage-ms", "-1"], "-1.0 must be 0 or more")]
     for args, said in cases:

@@ -1,4 +1,4 @@
-"""The solutions of lessons 18, 19 and 20's exercises do what they say (tests/test_solutions.py: how).
+"""The solutions of lessons 18 to 21's exercises do what they say (tests/test_solutions.py: how).
 
 Small ViTs (width 32 or 64, depth 2), a few steps, small collectives.  A command that several exercises show
 (the run of another exercise to compare with) runs once per test module (`ran`).  The milliseconds of
@@ -220,3 +220,53 @@ def test_20_3_hsdp_trains_what_ddp_trains_with_the_same_global_batch(ran):
     rel = relative(ran.tmp / "solutions/20-hsdp/model.pt", ran.tmp / "solutions/19-ddp/model.pt")
     print(f"HSDP 4 x 32 against DDP 2 x 64: relative weight difference {rel:.2g}")
     assert rel < 1e-6, rel  # measured 3.3e-8
+
+
+# ------------------------------------------------------------------------------------------ lesson 21
+
+LESSON_21_EVAL = "[rank 0] epoch 0: test loss 1.9257, test accuracy 0.3213 (10000 test images, each counted once)"
+
+
+def pipeline(ran, line) -> dict:
+    out = ran(line).stdout
+    assert LESSON_21_EVAL in out, out  # every schedule and m: the same training
+    run_dir = ran.tmp / re.search(r"--run-dir runs/(\S+)", line).group(1)
+    return metrics(run_dir)
+
+
+@solution("21_pipeline_parallel", 1)
+@pytest.mark.slow
+def test_21_1_the_bubble_falls_as_the_formula_says_and_the_step_grows(ran):
+    runs = [pipeline(ran, line)["pipeline"] for line in commands("21_pipeline_parallel", 1)]
+    assert [b["microbatches"] for b in runs] == [1, 2, 4, 8]
+    measured, formula = [b["measured"] for b in runs], [b["formula"] for b in runs]
+    print("bubble:", [round(b, 3) for b in measured], "formula:", [round(f, 3) for f in formula])
+    assert formula == pytest.approx([1 / 2, 1 / 3, 1 / 5, 1 / 9])
+    assert measured == sorted(measured, reverse=True)  # falls with m
+    assert all(0.9 * f <= b <= 1.5 * f for b, f in zip(measured, formula)), measured  # measured 1.01-1.18x
+    steps = [b["seconds"] for b in runs]
+    assert steps == sorted(steps)  # every micro-batch computes a fixed 60 ms: the step grows
+    assert all(later - earlier >= 0.06 * (n - k) for (earlier, k), (later, n) in
+               zip(zip(steps, (1, 2, 4)), zip(steps[1:], (2, 4, 8)))), steps  # at least 3f per added micro-batch
+
+
+@solution("21_pipeline_parallel", 2)
+@pytest.mark.slow
+def test_21_2_1f1b_keeps_p_micro_batches_of_activations_gpipe_all(ran):
+    gpipe = {m: pipeline(ran, line)["memory"] for m, line in zip((1, 2, 4, 8), commands("21_pipeline_parallel", 1))}
+    one_f = {m: pipeline(ran, line)["memory"] for m, line in zip((2, 8), commands("21_pipeline_parallel", 2))}
+    above = lambda r: r["peak_above_bytes"]
+    print({m: (above(gpipe[m]), above(one_f[m])) for m in (2, 8)})
+    assert above(one_f[2]) == pytest.approx(above(gpipe[2]), rel=0.05)  # m = p: all of them in both (measured equal)
+    assert above(one_f[8]) <= 0.5 * above(gpipe[8])  # a quarter of the batch (measured 0.30x)
+    assert above(gpipe[8]) >= 0.8 * above(gpipe[1])  # GPipe: the whole batch's, whatever m is
+
+
+@solution("21_pipeline_parallel", 3)
+@pytest.mark.slow
+def test_21_3_1f1b_with_fewer_micro_batches_than_stages_stops_before_any_rank(ran):
+    (line,) = commands("21_pipeline_parallel", 3)
+    said = re.findall(r"^python day4/21_pipeline_parallel\.py: error: .*$", sections("21_pipeline_parallel")[3], re.M)
+    stopped = ran(line, check=False)
+    assert stopped.returncode == 1 and stopped.stderr.strip().splitlines() == said, stopped.stderr
+    assert not (ran.tmp / "solutions/21-refused").exists()

@@ -11,12 +11,12 @@
 # Little traffic, so the stages may span nodes.
 #
 # - **Micro-batches.** With the whole batch at once, only one stage would work at a time. The batch is cut
-#   into m micro-batches (`--microbatches`): while stage 1 computes micro-batch 1, stage 0 computes
-#   micro-batch 2.
+#   into m micro-batches (`--microbatches`, numbered from 0): while stage 1 computes micro-batch 0, stage 0
+#   computes micro-batch 1.
 # - **The schedule** (`torch.distributed.pipelining`, `--schedule`) decides the order. **GPipe**: every
 #   forward, then every backward; a stage keeps the activations of all m micro-batches until their
-#   backward. **1F1B**: after a warm-up of forwards, one backward after each forward: at most p
-#   micro-batches' activations kept, the same waiting time; it needs m >= p. **Interleaved 1F1B**: two
+#   backward. **1F1B**: after a warm-up of p - r forwards on rank r, it waits for the first backward, then
+#   alternates: at most p micro-batches' activations kept, the same waiting time; it needs m >= p. **Interleaved 1F1B**: two
 #   stages per rank (rank r holds stages r and r + p, each half the blocks).
 # - **The bubble.** The first stage cannot start its first backward before the last stage has done its
 #   first forward and backward: with p stages and m micro-batches of equal compute time, each rank waits
@@ -64,7 +64,7 @@ md(f"The second table is interleaved 1F1B on 2 ranks: 4 stages of one block, ran
 #
 # The tensor-parallel mesh and plan are gone, and with them lesson 19's measurement of the collectives:
 # each rank builds only its stage (`build_stages`, beside the model), wraps it in torch's `PipelineStage`
-# (`parallel.timed_stage` is that class, which also adds up its compute's seconds) and runs the schedule's
+# (`parallel.timed_stages` makes them, of a subclass which also adds up its compute's seconds) and runs the schedule's
 # `step` instead of the forward and backward calls: stage 0 gets the images, the last stage the labels, and
 # it returns the logits. As in lesson 19 every rank takes the same batches. The gradient clip adds the
 # stages' squared norms; every rank gathers the stages' weights to evaluate the whole model.
@@ -121,7 +121,7 @@ md(f"One process reached test accuracy {m['one']['test_accuracy']:.4f} after {m[
 #
 # Each rank adds up the seconds its stages computed (their `PipelineStage`'s forward and backward chunks)
 # and the seconds the schedule's `step` took; what is left is waiting. Step 1 is not timed (it also sends a
-# first micro-batch through the stages to learn the activations' shapes), nor step 3 (its memory is
+# forward and backward pass through the stages to learn the activations' shapes), nor step 3 (its memory is
 # measured, and tracking every tensor slows the compute down); the table shows rank 0's median timed step.
 
 # %%
@@ -141,7 +141,7 @@ md(f"Of the {g['step ms']:.0f} ms a GPipe step took, rank 0 computed {g['rank 0 
    f"{g['formula (p-1)/(m+p-1)']:.3f} = {P - 1}/{M + P - 1} by the formula ({g['measured / formula']:.2f}x). "
    f"1F1B waited {o['bubble measured']:.3f} ({o['measured / formula']:.2f}x): the same bubble, in another "
    f"order. What the formula leaves out counts as waiting here: the sends, the schedule's own Python, and "
-   f"stages that are not quite equal (the last one also computes the loss).")
+   f"stages that are not quite equal (the last one also computes the loss, outside its chunks).")
 
 # %% [markdown]
 # ## The two schedules, drawn from the run
@@ -180,8 +180,8 @@ show_table([{"run": LABELS[k], "rank 0 held before step 3 MB": mem[k]["held_befo
 ratio = mem["1f1b"]["peak_above_bytes"] / mem["gpipe"]["peak_above_bytes"]
 md(f"Rank 0 (stage 0) measured its live tensors during step 3: above what it held before the step, 1F1B "
    f"needed {ratio:.2f}x of GPipe's. GPipe keeps the activations of all {M} micro-batches for their "
-   f"backward, 1F1B at most {P} at a time; the rest (parameters, gradients, momentum, the received "
-   f"activations' buffers) is the same.")
+   f"backward, 1F1B at most {P} at a time; what it held before the step (parameters, momentum, the batch, "
+   f"torch's buffers for the gradients it receives) is the same in both.")
 
 # %% [markdown]
 # ## Interleaving: two stages per rank
@@ -215,7 +215,7 @@ md(f"The formula for interleaving v = 2 stages per rank is (p - 1) / (2m + p - 1
 # 1. The bubble against m: on 2 ranks (`--depth 2`: one block per stage) with `--stage-ms 20` and
 #    `--batch-size 64`, run GPipe with `--microbatches 1, 2, 4, 8`. The measured bubble follows
 #    (p - 1) / (m + p - 1), from 1/2 down to 1/9; but every micro-batch here computes a fixed 60 ms whatever
-#    its size, so the step grows with m, by about 60 ms per micro-batch. With real compute a smaller
+#    its size, so the step grows with m, by a little more than 60 ms per micro-batch. With real compute a smaller
 #    micro-batch computes less: there more micro-batches shorten the step, until their fixed costs win.
 # 2. What 1F1B saves: the same runs with `--schedule 1f1b` at `--microbatches 2` and `8`, against GPipe's:
 #    stage 0's measured peak above what it held before the step. GPipe keeps the whole batch's activations
