@@ -29,10 +29,10 @@
 # %%
 from nbhelpers import *
 
-# The one switch. False: 4 steps on 640 samples, 4 and 2 CPU processes. True: the lesson's 2 epochs over the
+# The one switch. False: 5 steps on 640 samples, 4 and 2 CPU processes. True: the lesson's 2 epochs over the
 # whole training set, with 4 and 2 processes on the GPUs of this node.
 FULL_SIZE = False
-SIZE = [] if FULL_SIZE else ["--quick", "--train-samples", "640", "--max-steps", "4"]
+SIZE = [] if FULL_SIZE else ["--quick", "--train-samples", "640", "--max-steps", "5"]
 P, M = 4, 8  # 4 stages, 8 micro-batches (m = 2p)
 WIDTH, DEPTH, HEADS, BATCH = 32, 4, 4, 32
 STAGE_MS = 40  # simulated compute per stage and micro-batch: 40 ms forward, 80 ms backward
@@ -132,7 +132,7 @@ for k in ("gpipe", "1f1b"):
                     "rank 0 computed ms": b["busy_seconds"] * 1e3, "of which simulated ms": b["simulated_seconds"] * 1e3,
                     "bubble measured": b["measured"], "formula (p-1)/(m+p-1)": b["formula"],
                     "measured / formula": b["measured"] / b["formula"]})
-show_table(bubbles, floatfmt="{:.3g}")
+show_table(bubbles, floatfmt="{:.4g}")
 g, o = bubbles
 real = g["rank 0 computed ms"] - g["of which simulated ms"]
 md(f"Of the {g['step ms']:.0f} ms a GPipe step took, rank 0 computed {g['rank 0 computed ms']:.0f} ms: "
@@ -162,10 +162,11 @@ axes[-1].set_xlabel("ms from the step's first chunk")
 plt.tight_layout()
 plt.show()
 first_b = {k: min(s[4] for s in m[k]["timeline"] if s[0] == 0 and s[2] == "B") * 1e3 for k in ("gpipe", "1f1b")}
-md(f"Rank 0 waits, in both, from its last warm-up forward until the first backward comes back from the last "
-   f"stage ({first_b['gpipe']:.0f} ms into the GPipe step, {first_b['1f1b']:.0f} ms into the 1F1B step); "
-   f"the ranks further down start later and end earlier. GPipe runs all {M} forwards first; 1F1B starts "
-   f"backwards as soon as they arrive, so a stage never holds more than {P} micro-batches' activations.")
+md(f"Rank 0 waits, in both, after its forwards until the first backward comes back from the last stage "
+   f"({first_b['gpipe']:.0f} ms into the GPipe step, {first_b['1f1b']:.0f} ms into the 1F1B step), and the "
+   f"ranks further down start later and end earlier. GPipe runs all {M} forwards first; 1F1B runs {P} - r "
+   f"forwards on rank r, then alternates a backward and a forward, so a stage never holds more than {P} "
+   f"micro-batches' activations.")
 
 # %% [markdown]
 # ## What 1F1B saves: memory
@@ -187,8 +188,9 @@ md(f"Rank 0 (stage 0) measured its live tensors during step 3: above what it hel
 # ## Interleaving: two stages per rank
 #
 # On 2 ranks with 4 micro-batches: 1F1B with 2 stages of 2 blocks, against interleaved 1F1B with 4 stages of
-# one block (rank 0 holds stages 0 and 2). Each rank computes the same blocks; the simulated time of each
-# stage is halved, so each rank's compute stays the same.
+# one block (rank 0 holds stages 0 and 2). Each rank computes the same number of blocks (two; rank 0 now
+# blocks 0 and 2 instead of 0 and 1); the simulated time of each stage is halved, so each rank's compute
+# stays the same.
 
 # %%
 for schedule in ("1f1b", "interleaved-1f1b"):
@@ -203,9 +205,9 @@ b1, bi = two["1f1b"]["pipeline"], two["interleaved-1f1b"]["pipeline"]
 md(f"The formula for interleaving v = 2 stages per rank is (p - 1) / (2m + p - 1) = 1/9 = {bi['formula']:.3f}, "
    f"against 1/5 = {b1['formula']:.3f}. Measured: {bi['measured']:.3f} against {b1['measured']:.3f}"
    + (": smaller, " if bi["measured"] < b1["measured"] else ": not smaller here, ")
-   + f"but {bi['measured'] / bi['formula']:.1f}x its formula, where 1F1B was {b1['measured'] / b1['formula']:.1f}x: "
-   f"each rank now sends and receives twice as often, and every chunk carries the schedule's overhead for half "
-   f"the compute.")
+   + f"{bi['measured'] / bi['formula']:.2f}x its formula, where 1F1B was {b1['measured'] / b1['formula']:.2f}x. Each "
+   f"chunk now computes half as long, while its sends and the schedule's own work per chunk stay the same: "
+   f"per unit of compute, what the formula leaves out is twice as much.")
 
 # %% [markdown]
 # ## Try it yourself
@@ -214,7 +216,8 @@ md(f"The formula for interleaving v = 2 stages per rank is (p - 1) / (2m + p - 1
 #
 # 1. The bubble against m: on 2 ranks (`--depth 2`: one block per stage) with `--stage-ms 20` and
 #    `--batch-size 64`, run GPipe with `--microbatches 1, 2, 4, 8`. The measured bubble follows
-#    (p - 1) / (m + p - 1), from 1/2 down to 1/9; but every micro-batch here computes a fixed 60 ms whatever
+#    (p - 1) / (m + p - 1), whose values fall from 1/2 to 1/9, and ends a little above it at large m (the sends
+#    and the schedule's Python between the chunks count as waiting); but every micro-batch here computes a fixed 60 ms whatever
 #    its size, so the step grows with m, by a little more than 60 ms per micro-batch. With real compute a smaller
 #    micro-batch computes less: there more micro-batches shorten the step, until their fixed costs win.
 # 2. What 1F1B saves: the same runs with `--schedule 1f1b` at `--microbatches 2` and `8`, against GPipe's:
