@@ -243,11 +243,12 @@ def test_21_1_the_bubble_falls_as_the_formula_says_and_the_step_grows(ran):
     print("bubble:", [round(b, 3) for b in measured], "formula:", [round(f, 3) for f in formula])
     assert formula == pytest.approx([1 / 2, 1 / 3, 1 / 5, 1 / 9])
     assert measured == sorted(measured, reverse=True)  # falls with m
-    assert all(0.9 * f <= b <= 1.5 * f for b, f in zip(measured, formula)), measured  # measured 1.01-1.18x
+    assert all(0.9 * f <= b <= 1.5 * f for b, f in zip(measured, formula)), measured  # measured 1.01-1.16x
     steps = [b["seconds"] for b in runs]
-    assert steps == sorted(steps)  # every micro-batch computes a fixed 60 ms: the step grows
-    assert all(later - earlier >= 0.06 * (n - k) for (earlier, k), (later, n) in
-               zip(zip(steps, (1, 2, 4)), zip(steps[1:], (2, 4, 8)))), steps  # at least 3f per added micro-batch
+    assert steps == sorted(steps)  # every micro-batch computes a fixed 120 ms: the step grows
+    assert all(later - earlier >= 0.8 * 0.12 * (n - k) for (earlier, k), (later, n) in
+               zip(zip(steps, (1, 2, 4)), zip(steps[1:], (2, 4, 8)))), steps  # about 3f per added micro-batch
+    # (measured 127-142 ms idle, 116 ms once under the suite's load)
 
 
 @solution("21_pipeline_parallel", 2)

@@ -214,11 +214,11 @@ md(f"The formula for interleaving v = 2 stages per rank is (p - 1) / (2m + p - 1
 #
 # Solutions, with the commands and what they print: [`solutions/21_pipeline_parallel.md`](../solutions/21_pipeline_parallel.md).
 #
-# 1. The bubble against m: on 2 ranks (`--depth 2`: one block per stage) with `--stage-ms 20` and
+# 1. The bubble against m: on 2 ranks (`--depth 2`: one block per stage) with `--stage-ms 40` and
 #    `--batch-size 64`, run GPipe with `--microbatches 1, 2, 4, 8`. The measured bubble follows
 #    (p - 1) / (m + p - 1), whose values fall from 1/2 to 1/9, and ends a little above it at large m (the sends
-#    and the schedule's Python between the chunks count as waiting); but every micro-batch here computes a fixed 60 ms whatever
-#    its size, so the step grows with m, by a little more than 60 ms per micro-batch. With real compute a smaller
+#    and the schedule's Python between the chunks count as waiting); but every micro-batch here computes a fixed 120 ms whatever
+#    its size, so the step grows with m, by about 120 ms per micro-batch. With real compute a smaller
 #    micro-batch computes less: there more micro-batches shorten the step, until their fixed costs win.
 # 2. What 1F1B saves: the same runs with `--schedule 1f1b` at `--microbatches 2` and `8`, against GPipe's:
 #    stage 0's measured peak above what it held before the step. GPipe keeps the whole batch's activations
