@@ -17,7 +17,6 @@ the lessons do (course/models.py's `tensor_parallel_plan`, course/parallel.py's 
 On one CPU the ranks share the cores and gloo's collectives run over loopback: the bandwidth is this
 machine's, not a network's.
 """
-import itertools
 import time
 from types import SimpleNamespace
 

@@ -25,7 +25,7 @@ Bounds (measured in one run of this file alone, 2026-11-27):
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, lesson, metrics
+from conftest import lesson, metrics
 from course.output import load_weights
 
 pytestmark = pytest.mark.slow
