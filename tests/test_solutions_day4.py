@@ -243,7 +243,12 @@ def test_21_1_the_bubble_falls_as_the_formula_says_and_the_step_grows(ran):
     print("bubble:", [round(b, 3) for b in measured], "formula:", [round(f, 3) for f in formula])
     assert formula == pytest.approx([1 / 2, 1 / 3, 1 / 5, 1 / 9])
     assert measured == sorted(measured, reverse=True)  # falls with m
-    assert all(0.9 * f <= b <= 1.5 * f for b, f in zip(measured, formula)), measured  # measured 1.01-1.16x
+    # Idle, measured 1.01-1.16x the formula. The part of a micro-batch that is not the simulated compute (the
+    # stage's real forward and backward, the sends) grows with the machine's load, and m = 8 has the most of it:
+    # inside a whole run of the suite 1.00x at m = 1 but 1.64x at m = 8. A schedule that ran the stages one
+    # after the other would measure 1/2 at every m (4.5x at m = 8).
+    assert 0.9 * formula[0] <= measured[0] <= 1.25 * formula[0], measured
+    assert all(0.9 * f <= b <= 2 * f for b, f in zip(measured, formula)), measured
     steps = [b["seconds"] for b in runs]
     assert steps == sorted(steps)  # every micro-batch computes a fixed 120 ms: the step grows
     assert all(later - earlier >= 0.8 * 0.12 * (n - k) for (earlier, k), (later, n) in
