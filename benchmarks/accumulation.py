@@ -3,12 +3,12 @@
 - accumulation: DDP over 2 ranks (gloo, one thread a rank), the default ViT (width 64, depth 4), micro-batches
   of 32 per rank, K = 1, 2 and 4 micro-batches per optimizer step, the first K-1 forward and backward under
   `no_sync()` (lesson 14's loop, fp32).  The all_reduce bytes are counted by lesson 14's communication hook
-  (course/accumulation.py); per sample of the global batch W x K x 32 the course's goal is exactly 1/K of
+  (course/measuring/accumulation.py); per sample of the global batch W x K x 32 the course's goal is exactly 1/K of
   K = 1's.  Time per sample: the best of rounds that interleave the three (each round: a barrier, the
   steps, a barrier, the slowest rank's time), against K = 1's: every sample still costs its forward and
   backward, only the all_reduces get fewer.
 - checkpointing: one process, the ViT (width 64) at depth 4 and 8, batch 64: the bytes autograd keeps for
-  backward during one forward pass (saved-tensor hooks, course/accumulation.py; the block inputs that
+  backward during one forward pass (saved-tensor hooks, course/measuring/accumulation.py; the block inputs that
   checkpoint keeps are counted), with every block under `torch.utils.checkpoint(..., use_reentrant=False)`
   against without (goal at most 0.5x), and the train step's time (goal at most 1.4x: the recompute is
   about one more forward pass per backward, ~1.3x in theory; timed with one CPU thread, best of rounds that
@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data.distributed import DistributedSampler
 
 from benchmarks.common import Row, best_of_each, max_over_ranks, spawn
-from course.accumulation import Meter
+from course.measuring.accumulation import Meter
 from course.models import ViT
 from data_tools.datasets import InMemoryMNIST, batches
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 import torch  # noqa: E402
 
 from benchmarks.common import SECTIONS, Context, meta_line, table, write_reports  # noqa: E402
-from course import cli  # noqa: E402
+from course.launching import cli  # noqa: E402
 from data_tools.datasets import DATASETS, DEFAULT_DATASET, default_data_dir, require  # noqa: E402
 
 PROG = "benchmarks/bench.py"

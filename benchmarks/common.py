@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from course.ports import free_port
-from course.supervise import before_init_process_group, start_method
+from course.launching.ports import free_port
+from course.launching.supervise import before_init_process_group, start_method
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("input", "hdf5", "sync", "train", "startup", "precision", "accumulation", "fsdp", "dcp", "memory",
@@ -168,7 +168,7 @@ def table(rows, markdown=False) -> str:
 
 def write_reports(out: Path, rows, meta: dict) -> dict:
     """bench.csv (one row per measurement), bench.json (rows + machine), bench.md (the table), bench.png."""
-    from course.output import _atomic_write, write_csv, write_json
+    from course.training.output import _atomic_write, write_csv, write_json
 
     csv_rows = [{k: ("" if v is None else v) for k, v in asdict(r).items()} for r in rows]
     paths = {"csv": write_csv(out / "bench.csv", csv_rows, COLUMNS),
@@ -190,7 +190,7 @@ def plot(path: Path, rows, meta: dict) -> Path:
 
     matplotlib.use("agg")
     import matplotlib.pyplot as plt
-    from course.output import _atomic_write
+    from course.training.output import _atomic_write
 
     sections = [s for s in SECTIONS if any(r.section == s and r.ratio is not None for r in rows)]
     heights = [max(1, sum(1 for r in rows if r.section == s and r.ratio is not None)) for s in sections] or [1]

@@ -9,7 +9,7 @@ SGD step so that the momentum exists: the state is the weights and the momentum,
 - load: dcp.load into every rank's shards (+ set_state_dict) against torch.load of the one file on every
   rank, then set_state_dict(full_state_dict=True), which keeps each rank's rows.
 - digest: the sha256 of every file a save wrote, each rank its own file (as lesson 16's
-  dcp_checkpoints.Writer does inside the save; rank 0 also .metadata), against dcp.save itself; the sha256
+  course/checkpoints/dcp.py's Writer does inside the save; rank 0 also .metadata), against dcp.save itself; the sha256
   of lesson 12's one file against torch.save on rank 0; and at a load each rank hashing its share of the
   files, against dcp.load.  The course's goal: the digest at most 10 % of the save.
 - stall: k training steps with no save, with a dcp.save after every step, and with a dcp.async_save after
@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks.common import Row, max_over_ranks, spawn
-from course.checkpoints import sha256_of
+from course.checkpoints.files import sha256_of
 from course.models import ViT
 from data_tools.datasets import InMemoryMNIST
 
@@ -53,7 +53,7 @@ def _worker(rank, world, cfg):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    from course.dcp_checkpoints import Writer, copy_seconds
+    from course.checkpoints.dcp import Writer, copy_seconds
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -106,7 +106,7 @@ def _worker(rank, world, cfg):
         set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"],
                        options=StateDictOptions(full_state_dict=True))
 
-    def own_files(path):  # what dcp_checkpoints.Writer hashes on this rank (rank 0 also .metadata, at publish)
+    def own_files(path):  # what lesson 16's Writer (course/checkpoints/dcp.py) hashes on this rank (rank 0: .metadata)
         return [p for p in sorted(path.iterdir()) if p.name.startswith(f"__{rank}_")
                 or (rank == 0 and p.name == ".metadata")]
 

@@ -3,7 +3,7 @@
 Each rank builds the same ViT (lesson 15's default size: width 128, depth 4, 4 heads) three times: wrapped in
 DDP, and sharded with fully_shard per block and on the root as lesson 15 does, with reshard_after_forward
 True (ZeRO-3) and False (ZeRO-2).  All three train on the same batches with SGD + momentum, in fp32.
-- bytes per rank: parameters, gradients and momentum as the rank holds them (course/memory.py counts a
+- bytes per rank: parameters, gradients and momentum as the rank holds them (course/measuring/memory.py counts a
   DTensor by its local shard), on the fullest rank, against DDP's replica; the course's goal is at most
   1.1 / W of DDP's.  DDP's own gradient buckets (another copy of the gradients) are not counted.
 - parameter bytes held from forward to backward: what the ranks keep gathered between the two passes.
@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 from benchmarks.common import Row, max_over_ranks, spawn
-from course import memory
+from course.measuring import memory
 from course.models import ViT
 from data_tools.datasets import InMemoryMNIST, batches
 

@@ -1,4 +1,4 @@
-"""Section memory: the peak memory of a training step, measured (course/memory.py's StepPeak), where lessons
+"""Section memory: the peak memory of a training step, measured (course/measuring/memory.py's StepPeak), where lessons
 14 and 15 claim to save memory.
 
 - checkpointing (lesson 14): one process, the ViT at width 64, depth 4 and 8, batch 64, SGD with momentum:
@@ -25,7 +25,7 @@ from torch.utils.data.distributed import DistributedSampler
 from benchmarks.accumulation import checkpointed_vit
 from benchmarks.common import Row, spawn
 from benchmarks.fsdp import build
-from course.memory import MB, StepPeak
+from course.measuring.memory import MB, StepPeak
 from data_tools.datasets import InMemoryMNIST, batches
 
 STEPS = 3  # StepPeak measures the third

@@ -1,7 +1,7 @@
 """Section parallel: lessons 18-20's model parallelism: what each rank holds, what the collectives reach.
 
 Each rank builds the same ViT (width 128, depth 4, 4 heads; width 32, depth 2 with --smoke) and cuts it as
-the lessons do (course/models.py's `tensor_parallel_plan`, course/parallel.py's counts):
+the lessons do (course/models.py's `tensor_parallel_plan`, course/measuring/parallel.py's counts):
 - tensor parallel over T = 2 and 4 ranks (lesson 19): the bytes of the cut parameters on each rank against
   their whole size; the course's goal is exactly 1/T on every rank (bytes counted, not timed);
 - on a 2 x 2 mesh (lesson 20, 4 ranks): FSDP2 x TP and HSDP, the bytes all ranks hold of the cut parameters
@@ -12,7 +12,7 @@ the lessons do (course/models.py's `tensor_parallel_plan`, course/parallel.py's 
   (reported: on a CPU TP sends 4 activations per block and step where DDP sends the gradients once);
 - the pipeline's bubble (lesson 21) at p = 2 and 4 stages (one block each): GPipe with m = p micro-batches,
   1F1B with m = 2p, every stage given a simulated compute of 40 ms per micro-batch forward and 80 ms
-  backward (course/parallel.py's SimulatedCompute; 5 ms with --smoke): rank 0's measured waiting, 1 - the
+  backward (course/measuring/parallel.py's SimulatedCompute; 5 ms with --smoke): rank 0's measured waiting, 1 - the
   seconds its stage computed / the schedule's seconds, against (p - 1) / (m + p - 1); goal: within 15%.
 On one CPU the ranks share the cores and gloo's collectives run over loopback: the bandwidth is this
 machine's, not a network's.
@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks.common import Row, max_over_ranks, spawn
-from course import hardware, parallel
+from course.measuring import hardware, parallel
 from course.models import ViT, build_stages, tensor_parallel_plan
 
 
@@ -87,7 +87,7 @@ def _worker(rank, world, cfg):
     layouts = ["tp"] + (["fsdp-tp", "hsdp"] if world == 4 else [])
     for layout in layouts:
         result["held"][layout] = _everyone(parallel.cut_bytes(_model(cfg, layout, world)))
-    # the all_reduce's bandwidth, as lesson 18 times it (course/hardware.py), best of the rounds
+    # the all_reduce's bandwidth, as lesson 18 times it (course/measuring/hardware.py), best of the rounds
     tensor = torch.ones(cfg["mib"] * 2 ** 20 // 4)
     result["all_reduce_seconds"] = min(hardware.timed(lambda: dist.all_reduce(tensor), cfg["calls"], tensor.device)[0]
                                        for _ in range(cfg["rounds"]))

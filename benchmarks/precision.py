@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import Row, best_of_each
 from course.models import ViT
-from course.precision import DTYPES
+from course.training.precision import DTYPES
 from data_tools.datasets import InMemoryMNIST
 
 BATCH = 64

@@ -1,7 +1,7 @@
 """Section 5: fixed costs: launching N ranks and initializing their process group, per launcher.
 
-benchmarks/startup_probe.py is launched as a lesson is (course.launch: ranks forked from the launching process,
-the default where no GPU is visible; from a fork server, the default on a GPU node; each spawned as a fresh
+benchmarks/startup_probe.py is launched as a lesson is (course.launching.launch: ranks forked from the launching
+process, the default where no GPU is visible; from a fork server, the default on a GPU node; each spawned as a fresh
 interpreter with COURSE_START_METHOD=spawn; or torchrun) and records when each rank
 started, imported torch, entered worker(), and got through init_process_group and a first barrier.  Times
 are from the moment the launch command was started (wall clock; one machine).

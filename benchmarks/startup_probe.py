@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 
 IMPORTED = time.time()
 
-from course.launch import launch  # noqa: E402
+from course.launching.launch import launch  # noqa: E402
 
 
 def worker(info, args):

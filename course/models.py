@@ -110,7 +110,7 @@ class ViT(nn.Module):
 def add_vit_args(p, width: int = 64):
     """Day 3's command line: --model also takes vit (its default there) and the ViT's size is four flags;
     `width` is the default of --width (lesson 15 starts from a wider model)."""
-    from course.cli import positive_int
+    from course.launching.cli import positive_int
 
     model = next(a for a in p._actions if a.dest == "model")
     model.choices, model.default = (*model.choices, "vit"), "vit"
@@ -131,7 +131,7 @@ VIT_ONLY = {"18_hardware_limits": "lesson 18 compares the FLOPs it counts with a
 
 def check_vit_args(args) -> None:
     """The ViT's flags as one clear line, before any rank starts."""
-    from course.cli import CourseError
+    from course.launching.cli import CourseError
 
     if args.model != "vit" and getattr(args, "lesson", None) in VIT_ONLY:
         raise CourseError(f"--model {args.model}: {VIT_ONLY[args.lesson]}; use --model vit")
@@ -168,7 +168,7 @@ def tensor_parallel_plan() -> dict:
 
 def check_tensor_parallel(args, degree: int) -> None:
     """One clear line, before any rank starts, when the ViT's heads do not divide among `degree` ranks."""
-    from course.cli import CourseError
+    from course.launching.cli import CourseError
 
     if args.heads % degree:
         sizes = [str(n) for n in range(1, args.heads + 1) if args.heads % n == 0]
@@ -237,7 +237,7 @@ def check_pipeline(args, ranks: int) -> None:
     """Lesson 21's sizes as one clear line, before any rank starts: the blocks divide among the stages, the
     batch into equal micro-batches (every micro-batch has the shape of the first), and the schedule's own
     rules on the number of micro-batches (torch 2.14.1 raises them only once the ranks have started)."""
-    from course.cli import CourseError
+    from course.launching.cli import CourseError
 
     stages = ranks * (2 if args.schedule == "interleaved-1f1b" else 1)
     m = args.microbatches

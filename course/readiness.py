@@ -29,7 +29,7 @@ MIB = 2 ** 20
 
 def node(results: Path) -> int:
     """This node's Python, torch, GPUs, the packages of the lessons and the data: results/node-HOST.json."""
-    from course import requires
+    from course.launching import requires
     from data_tools.datasets import DEFAULT_DATASET, DataError, default_data_dir, require
     from data_tools.h5layout import default_h5_path
 
@@ -67,7 +67,7 @@ def bandwidth(results: Path, max_mib: int, iters: int, timeout: float) -> int:
     import torch
     import torch.distributed as dist
 
-    from course.launch import backend_for, launch, setup_device
+    from course.launching.launch import backend_for, launch, setup_device
 
     def worker(info, args):
         device = setup_device("auto", info.local_rank)

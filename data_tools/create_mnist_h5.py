@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for data_tools/
 
-from course.cli import Parser  # one-line usage errors, as in every lesson
+from course.launching.cli import Parser  # one-line usage errors, as in every lesson
 from data_tools.datasets import DATASETS, DEFAULT_DATASET, DataError, default_data_dir, read_split, require, spec
 from data_tools.h5layout import (DEFAULT_CHUNK_SAMPLES, SPLIT_SIZES, H5LayoutError, default_h5_path, read_layout,
                                  source_sha256, write_h5)

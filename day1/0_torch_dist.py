@@ -15,15 +15,15 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
 import torch.distributed as dist
 
-from course import cli
-from course.launch import launch
-from course.output import rank_print
+from course.launching import cli
+from course.launching.launch import launch
+from course.training.output import rank_print
 
 
 def worker(info, args):

@@ -9,7 +9,7 @@ NCCL moves GPU memory between GPUs directly (NVLink, PCIe, InfiniBand) without a
 Each rank owns one GPU: `torch.cuda.set_device(local_rank)` must come before init_process_group, or every
 rank would create its context on GPU 0.  NCCL cannot put two ranks on one GPU, so there can be at most as
 many ranks per node as GPUs.  A rank that Slurm gave a GPU of its own (srun --gpus-per-task=1,
---gpu-bind=single:1) sees only that one, as cuda:0; course/devices.py's gpu_index tells the two cases apart
+--gpu-bind=single:1) sees only that one, as cuda:0; course/launching/devices.py's gpu_index tells the two cases apart
 from what the rank sees.  On a machine without CUDA this script says so and runs lesson 0's gloo path.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
@@ -18,15 +18,15 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
 import torch.distributed as dist
 
-from course import cli
-from course.launch import detect_launcher, gpu_index, launch
-from course.output import rank_print
+from course.launching import cli
+from course.launching.launch import detect_launcher, gpu_index, launch
+from course.training.output import rank_print
 
 
 def worker(info, args):

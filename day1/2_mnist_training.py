@@ -17,18 +17,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import RandomSampler
 
-from course import cli
-from course.evaluate import evaluate
-from course.launch import detect_launcher, setup_device
+from course.launching import cli
+from course.launching.launch import detect_launcher, setup_device
 from course.models import build_model
-from course.output import plot_curves, save_weights, write_json
+from course.training.evaluate import evaluate
+from course.training.output import plot_curves, save_weights, write_json
 from data_tools.datasets import InMemoryMNIST, batches, require
 
 

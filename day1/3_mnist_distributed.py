@@ -17,7 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
@@ -25,11 +25,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import RandomSampler
 
-from course import cli, replicas
-from course.evaluate import evaluate
-from course.launch import backend_for, launch, setup_device
+from course.launching import cli
+from course.launching.launch import backend_for, launch, setup_device
 from course.models import build_model
-from course.output import rank_print
+from course.training import replicas
+from course.training.evaluate import evaluate
+from course.training.output import rank_print
 from data_tools.datasets import InMemoryMNIST, batches, require
 
 

@@ -23,7 +23,7 @@ and prints from the traces: all_reduce calls and bytes per step, communication t
 the rest is waiting for the slowest rank) and how much of it overlaps backward's computation.  The profiled
 steps are slower than the others, and a shared machine is noisy: compare proportions, use --active 20.
 --loader as in lesson 4 (memory by default here, so that the profile shows training, not batching).
-Checking the schedule, the extra copies of each trace and the comparison table are course/profiling.py's.
+Checking the schedule, the extra copies of each trace and the comparison table are course/measuring/profiling.py's.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import sys
@@ -32,7 +32,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
@@ -43,11 +43,13 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule,
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli, profiling, results
-from course.evaluate import evaluate
-from course.launch import backend_for, launch, setup_device
+from course.launching import cli
+from course.launching.launch import backend_for, launch, setup_device
+from course.measuring import profiling
 from course.models import build_model
-from course.output import rank_print, write_json
+from course.training import results
+from course.training.evaluate import evaluate
+from course.training.output import rank_print, write_json
 from data_tools.datasets import InMemoryMNIST, batches, require
 
 

@@ -30,11 +30,11 @@ step is so short that the all_reduce of its 0.4 MB of gradients eats any gain.  
 machine slow every part (a thread waiting for a core stalls the others), and the table records how many
 cores they used during training.  Training time excludes the evaluation.  A speed-up is judged against
 1.0 with its noise: the spread of the speeds of blocks of consecutive steps within each run
-(course/timing.py says how).
+(course/measuring/timing.py says how).
 
 Each run appends a row to run_dir/timings.csv; rank 0 rewrites the table (scaling.md, scaling.csv) and the
 plot (scaling.png) from the latest run of each world size and configuration; --fresh starts over
-(course/timing.py keeps the table).  --loader memory (the default here, so that the timings are of
+(course/measuring/timing.py keeps the table).  --loader memory (the default here, so that the timings are of
 training, not of batching) or dataloader, as in lesson 6.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
@@ -46,7 +46,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
@@ -56,12 +56,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli, results, timing
-from course.evaluate import evaluate
-from course.launch import backend_for, detect_launcher, launch, setup_device
+from course.launching import cli
+from course.launching.launch import backend_for, detect_launcher, launch, setup_device
+from course.measuring import timing
+from course.measuring.profiling import add_profile_args, maybe_profile
 from course.models import build_model
-from course.output import rank_print
-from course.profiling import add_profile_args, maybe_profile
+from course.training import results
+from course.training.evaluate import evaluate
+from course.training.output import rank_print
 from data_tools.datasets import InMemoryMNIST, batches, require
 
 

@@ -26,7 +26,7 @@ comparison with the other lr (scaled, or --no-scale), the two are set side by si
 the lesson first runs the 1-process reference when run_dir has none for these settings
 (run_dir/reference_ws1_*.csv); under torchrun or srun it says how to make one.  --quick here means 3 epochs
 of 12 800 samples: after 1 epoch 4 ranks have taken only 50 steps, still the first steps.
-The curves, the reference and the comparison are kept by course/curves.py.
+The curves, the reference and the comparison are kept by course/training/curves.py.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import argparse
@@ -36,7 +36,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
@@ -46,12 +46,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli, curves, results
-from course.evaluate import evaluate
-from course.launch import backend_for, detect_launcher, launch, setup_device
+from course.launching import cli
+from course.launching.launch import backend_for, detect_launcher, launch, setup_device
+from course.measuring.profiling import add_profile_args, maybe_profile
 from course.models import build_model
-from course.output import rank_print
-from course.profiling import add_profile_args, maybe_profile
+from course.training import curves, results
+from course.training.evaluate import evaluate
+from course.training.output import rank_print
 from data_tools.datasets import InMemoryMNIST, batches, require
 
 QUICK_EPOCHS = 3  # --quick: 3 epochs of the 12 800 samples

@@ -17,7 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
@@ -28,11 +28,11 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli
-from course.launch import backend_for, launch, setup_device
+from course.launching import cli
+from course.launching.launch import backend_for, launch, setup_device
+from course.measuring.profiling import clear_previous, view_hint
 from course.models import build_model
-from course.output import rank_print
-from course.profiling import clear_previous, view_hint, writable_log_dir
+from course.training.output import rank_print, writable_log_dir
 
 WAIT, WARMUP, ACTIVE = 1, 1, 3  # the profiler schedule: skip 1 step, trace 1 and discard it, record 3
 

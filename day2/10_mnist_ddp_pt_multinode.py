@@ -28,7 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
@@ -38,12 +38,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli, results
-from course.evaluate import evaluate
-from course.launch import backend_for, launch, require_launcher, setup_device
+from course.launching import cli
+from course.launching.launch import backend_for, launch, require_launcher, setup_device
+from course.measuring.profiling import add_profile_args, maybe_profile
 from course.models import build_model
-from course.output import rank_print
-from course.profiling import add_profile_args, maybe_profile
+from course.training import results
+from course.training.evaluate import evaluate
+from course.training.output import rank_print
 from data_tools.datasets import InMemoryMNIST, require
 
 

@@ -27,7 +27,7 @@ ChunkShardSampler, the DataLoader over whole chunks, rebatch; data_tools/h5strea
   (The alternative, dropping the remainder so all ranks take equal steps, would skip samples every epoch.)
   Each rank prints the steps it took part in and, in brackets, those on its own batches (the rest it
   shadowed under join()).
-The bookkeeping is course/coverage.py's: every rank's steps in an epoch (from the samples in its chunks),
+The bookkeeping is course/training/coverage.py's: every rank's steps in an epoch (from the samples in its chunks),
 how often each sample was trained on, counted across ranks and reported every epoch, each step's loss
 averaged over the ranks that had a batch, the time each rank waited for data, and at the end whether every
 replica holds the same weights and momentum.  --source memory trains on the same chunks in the same order,
@@ -43,7 +43,7 @@ from itertools import islice
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
@@ -52,12 +52,13 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from course import cli, coverage, results
-from course.evaluate import evaluate
-from course.launch import backend_for, launch, require_launcher, setup_device
+from course.launching import cli
+from course.launching.launch import backend_for, launch, require_launcher, setup_device
+from course.measuring.profiling import add_profile_args, maybe_profile
 from course.models import build_model
-from course.output import rank_print
-from course.profiling import add_profile_args, maybe_profile
+from course.training import coverage, results
+from course.training.evaluate import evaluate
+from course.training.output import rank_print
 from data_tools.h5stream import add_h5_args, chunk_seed, normalize, open_chunks, require_h5  # reading the file
 
 class ChunkShardSampler(torch.utils.data.Sampler):

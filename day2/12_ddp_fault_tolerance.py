@@ -41,7 +41,7 @@ default not SIGUSR1: the agent dies of it, and its workers (in sessions of their
 on, orphans, until something kills them without a checkpoint.  The launcher starts torchrun with
 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 (torch >= 2.9), so that it forwards SIGUSR1 and
 gives its workers --shutdown-timeout seconds (30 by default) to finish.
-Started with --nproc, the parent passes SIGTERM and SIGUSR1 on to its ranks (course/supervise.py).
+Started with --nproc, the parent passes SIGTERM and SIGUSR1 on to its ranks (course/launching/supervise.py).
 
 Resumed, the run is the run that was never interrupted, bit for bit (measured on the CPU and on one H100 GPU): same
 data order, same weights, same losses.  That needs deterministic kernels (use_deterministic_algorithms),
@@ -54,7 +54,7 @@ them first, with one backward pass that it throws away.  The weights are loaded 
 rank from the same file: the replicas agree without a broadcast.  The checkpoint directory is locked by the
 run using it: a second run on the same --run-dir stops with a message instead of mixing its checkpoints with
 the first one's.  --bucket-cap-mb and --profile as in lesson 10.
-course/checkpoints.py holds the plumbing: what goes into a checkpoint and back out (save, restore), the files
+course/checkpoints/files.py holds the plumbing: what goes into a checkpoint and back out (save, restore), the files
 (atomic write, their digests, rotation, the newest valid one, the lock), the position and records a checkpoint carries (step,
 losses, evaluations, stops) and the closing report.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
@@ -66,7 +66,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 stop_signal = None  # set by on_stop_signal, read by the training loop after every step
@@ -85,12 +85,13 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from course import checkpoints, cli
-from course.evaluate import evaluate
-from course.launch import backend_for, launch, setup_device
+from course.checkpoints import files as checkpoints
+from course.launching import cli
+from course.launching.launch import backend_for, launch, setup_device
+from course.measuring.profiling import add_profile_args, maybe_profile
 from course.models import build_model
-from course.output import rank_print
-from course.profiling import add_profile_args, maybe_profile
+from course.training.evaluate import evaluate
+from course.training.output import rank_print
 from data_tools.datasets import InMemoryMNIST, batches, require
 
 

@@ -35,22 +35,22 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
 import torch.distributed as dist
 
-from course import cli
-from course.launch import backend_for, check_launch_environment, how_to_launch, setup_device
-from course.output import rank_print
+from course.launching import cli
+from course.launching.launch import backend_for, check_launch_environment, how_to_launch, setup_device
+from course.training.output import rank_print
 
 
 def where_am_i():
     """(rank, local_rank, world_size, node, launcher) from the launcher's variables, or None if there is none.
 
     On return MASTER_ADDR and MASTER_PORT are in the environment, where init_process_group looks for them.
-    course/launch.py does the same for every later lesson.
+    course/launching/launch.py does the same for every later lesson.
     """
     check_launch_environment()  # each variable below a whole number in its range, or one line naming it
     env = os.environ

@@ -101,7 +101,7 @@ case "$COURSE_SITE_STATUS" in
     *) echo "multinode: no site profile (--site NAME or COURSE_SITE=NAME loads one)" ;;
 esac
 # PYTHON has what the lesson needs with these arguments (packages, torch release), or one line and no rank
-"$PYTHON" "$REPO/course/requires.py" "$LESSON" "$@" || exit 1
+"$PYTHON" "$REPO/course/launching/requires.py" "$LESSON" "$@" || exit 1
 
 # Each rank gets the cores of its task and as many threads, as in a batch job (slurm/lib/job.sh): srun (Slurm
 # >= 22.05) no longer takes --cpus-per-task from salloc's environment, so it is passed on; without it a rank
@@ -125,10 +125,10 @@ if [[ -z "$MASTER_ADDR" ]]; then
     exit 1
 fi
 if [[ -z "${MASTER_PORT:-}" ]]; then
-    MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))   # the formula of course/ports.py: all ranks agree
+    MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))   # the formula of course/launching/ports.py: all ranks agree
     # Check it on the node where rank 0 will listen (not here: salloc's shell runs on the login node).  As the
-    # lesson's own check (course/ports.py): a port left in TIME_WAIT by this job's previous step is free.  If a
-    # live listener holds it, the kernel picks a free port from its ephemeral range (above 32767 as Linux
+    # lesson's own check (course/launching/ports.py): a port left in TIME_WAIT by this job's previous step is
+    # free.  If a live listener holds it, the kernel picks a free port from its ephemeral range (above 32767 as Linux
     # ships): never 10000..29999, where other jobs' derived ports are.
     MASTER_PORT="$(srun --nodes=1 --ntasks=1 --nodelist="$MASTER_ADDR" --kill-on-bad-exit=1 "$PYTHON" -c '
 import socket, sys
@@ -161,7 +161,7 @@ else
     if [[ -n "${SLURM_GPUS_PER_TASK:-}" ]]; then
         # An allocation made with --gpus-per-task=[type:]N passes it on to this step (srun reads the variable as
         # its own option), whose one task per node would get the GPUs of one rank, for all the node's ranks
-        # (course/devices.py stops them); a larger --gpus-per-task Slurm refuses: ask per node instead.
+        # (course/launching/devices.py stops them); a larger --gpus-per-task Slurm refuses: ask per node instead.
         PER_RANK="${SLURM_GPUS_PER_TASK##*:}" GPU_TYPE="${SLURM_GPUS_PER_TASK%"${SLURM_GPUS_PER_TASK##*:}"}"
         GPUS_PER_AGENT=(--gpus-per-node="${GPU_TYPE}$((PER_RANK * TASKS_PER_NODE))")
         unset SLURM_GPUS_PER_TASK

@@ -19,12 +19,12 @@ rank's gradients, yet every rank skips the same step: DDP has already all_reduce
 on one rank makes the sum inf on all of them (--overflow-at injects one on one rank to watch it).
 On a CPU without bf16 instructions (no avx512_bf16/AMX in lscpu's flags) 16-bit matrix products are
 emulated and slower than fp32; on GPUs and recent server CPUs they are faster.  --batch-size is per rank.
-Every rank measures the memory of its step 3 (course/memory.py): what it holds as the forward begins, and
+Every rank measures the memory of its step 3 (course/measuring/memory.py): what it holds as the forward begins, and
 the most during the step; lessons 14 and 15 show what checkpointing and sharding take off it.
 --compile: torch.compile of the DDP-wrapped model.  Compiled after wrapping, dynamo cuts the graph at DDP's
 bucket boundaries, so each bucket's all_reduce still starts while the rest of backward runs (compiling the
 bare model before wrapping gives one graph whose gradients all arrive at its end).  The first forward and
-backward compile: tens of seconds on a CPU, then cached in /tmp/torchinductor_$USER.  course/precision.py's
+backward compile: tens of seconds on a CPU, then cached in /tmp/torchinductor_$USER.  course/training/precision.py's
 warm_up runs them once before training (the gradients are thrown away), so the step times are training's
 alone; an epoch's shorter last batch compiles once more.  TORCH_LOGS=ddp_graphs prints the pieces when the
 gradients fill more than one bucket (--bucket-cap-mb, at least DDP's first bucket of 1 MB).
@@ -37,7 +37,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
@@ -47,13 +47,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli, memory, precision, replicas
-from course.evaluate import evaluate
-from course.launch import backend_for, launch, setup_device
+from course.launching import cli
+from course.launching.launch import backend_for, launch, setup_device
+from course.measuring import memory
+from course.measuring.profiling import add_profile_args, maybe_profile
 from course.models import add_vit_args, check_vit_args, model_from_args
-from course.output import plot_curves, rank_print, save_weights, write_json
-from course.precision import DTYPES, check_precision
-from course.profiling import add_profile_args, maybe_profile
+from course.training import precision, replicas
+from course.training.evaluate import evaluate
+from course.training.output import plot_curves, rank_print, save_weights, write_json
+from course.training.precision import DTYPES, check_precision
 from data_tools.datasets import InMemoryMNIST, batches, require
 
 
@@ -76,8 +78,7 @@ def worker(info, args):
         model = torch.compile(model)  # compiles on its first forward and backward: warm_up runs them, untimed
         precision.warm_up(model, train_set, args, dtype)  # rank 0 says how long compiling took
     peak = memory.StepPeak(model, optimizer, device)  # step 3's bytes: held as it begins, most during it
-    # only fp16 needs loss scaling; disabled, scale() and unscale_() do nothing and step() just steps
-    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # fp16 only; off, it passes through
 
     # DDP: rank r gets every W-th index of the epoch's shuffled order; padded so all shards are equal
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)

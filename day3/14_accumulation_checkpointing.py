@@ -19,11 +19,11 @@ Lesson 13's loop (mixed precision stays as it was), with two ways to train what 
   again to get them back: less memory for about a third more compute.  Written here as a wrapper of each
   block's forward, so that the model's code (course/models.py) and its saved weights stay the same.
   The recomputed forward is the same arithmetic: the gradients come out the same.
-- What each saves is counted while training (course/accumulation.py) and written into metrics.json: the
+- What each saves is counted while training (course/measuring/accumulation.py) and written into metrics.json: the
   all_reduce calls and bytes of every optimizer step (a DDP communication hook that counts each bucket, then
   all_reduces it as DDP would), and the bytes autograd keeps for backward during one micro-batch's forward
   (saved-tensor hooks; CUDA's peak memory too where there is a GPU).
-- What the step really holds is measured on every rank (course/memory.py, as in lessons 13 and 15): during
+- What the step really holds is measured on every rank (course/measuring/memory.py, as in lessons 13 and 15): during
   step 3, from its first forward to `optimizer.step()`, the bytes held when it began and the most above
   that; checkpointing can shrink only the part above (the replica is held before the step and stays).  On
   a GPU torch.cuda.max_memory_allocated minus what was allocated as the step began (the run's whole peak
@@ -41,7 +41,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
@@ -52,13 +52,15 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import accumulation, cli, memory, replicas
-from course.evaluate import evaluate
-from course.launch import backend_for, launch, setup_device
+from course.launching import cli
+from course.launching.launch import backend_for, launch, setup_device
+from course.measuring import accumulation, memory
+from course.measuring.profiling import add_profile_args, maybe_profile
 from course.models import add_vit_args, check_vit_args, model_from_args
-from course.output import plot_curves, rank_print, save_weights, write_json
-from course.precision import DTYPES, check_precision
-from course.profiling import add_profile_args, maybe_profile
+from course.training import replicas
+from course.training.evaluate import evaluate
+from course.training.output import plot_curves, rank_print, save_weights, write_json
+from course.training.precision import DTYPES, check_precision
 from data_tools.datasets import InMemoryMNIST, batches, require
 
 
@@ -82,8 +84,7 @@ def worker(info, args):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     dtype = DTYPES[args.precision]
     peak = memory.StepPeak(model, optimizer, device)  # step 3's bytes: held as it begins, most during it
-    # only fp16 needs loss scaling; disabled, scale() and unscale_() do nothing and step() just steps
-    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # fp16 only; off, it passes through
 
     # DDP: rank r gets every W-th index of the epoch's shuffled order; padded so all shards are equal
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)

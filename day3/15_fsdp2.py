@@ -22,7 +22,7 @@ Lesson 13's loop, with DDP replaced by FSDP2 (`torch.distributed.fsdp.fully_shar
   CUDA-like devices only, and differ from the CPU's there).  So every rank makes the model again on the
   CPU, one part at a time (embedding, position, block 0, block 1, ...) in the order the ViT's constructor
   makes them, under the same seed, keeps its own rows of each part and drops the rest
-  (course/sharded_init.py): at most one block is whole at a time, nothing is sent, and the weights are
+  (course/training/sharded_init.py): at most one block is whole at a time, nothing is sent, and the weights are
   lesson 13's bit for bit.  Large models are often started from a seed checkpoint instead: written once by
   one process with enough CPU memory, then read with DCP (lesson 16), each rank reading only its rows.
 - Forward: before a block runs, its shards are all_gathered into whole parameters; after it, they are freed
@@ -55,7 +55,7 @@ Lesson 13's loop, with DDP replaced by FSDP2 (`torch.distributed.fsdp.fully_shar
 - At the end model.pt needs the whole weights, but only rank 0 writes it: get_model_state_dict with
   full_state_dict and cpu_offload all_gathers one tensor at a time and keeps it, on the CPU, on rank 0
   alone (the other ranks get an empty dict): no device holds more than one whole tensor beside its shards.
-- Every rank measures its step 3 (course/memory.py's StepPeak, as lesson 13 does for DDP): the bytes it
+- Every rank measures its step 3 (course/measuring/memory.py's StepPeak, as lesson 13 does for DDP): the bytes it
   holds as the step's forward begins (its shards) and the most it holds during it (the gathered blocks,
   the whole gradients before their reduce_scatter, the activations): on a GPU from
   torch.cuda.max_memory_allocated, on the CPU from the live tensors.
@@ -69,7 +69,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
@@ -81,14 +81,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli, memory
-from course.evaluate import evaluate
-from course.launch import backend_for, launch, setup_device
+from course.launching import cli
+from course.launching.launch import backend_for, launch, setup_device
+from course.measuring import memory
+from course.measuring.profiling import add_profile_args, maybe_profile
 from course.models import add_vit_args, check_vit_args, model_from_args
-from course.output import plot_curves, rank_print, save_weights, write_json
-from course.precision import DTYPES, check_precision
-from course.profiling import add_profile_args, maybe_profile
-from course.sharded_init import init_vit_shards
+from course.training.evaluate import evaluate
+from course.training.output import plot_curves, rank_print, save_weights, write_json
+from course.training.precision import DTYPES, check_precision
+from course.training.sharded_init import init_vit_shards
 from data_tools.datasets import InMemoryMNIST, batches, require
 
 
@@ -114,8 +115,7 @@ def worker(info, args):
     after_forward = memory.watch_after_forward(model)  # parameter bytes held from forward to backward
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     peak = memory.StepPeak(model, optimizer, device)  # step 3's bytes: held as it begins, most during it
-    # only fp16 needs loss scaling; disabled, scale() and unscale_() do nothing and step() just steps
-    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # fp16 only; off, it passes through
 
     # DDP: rank r gets every W-th index of the epoch's shuffled order; padded so all shards are equal
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)

@@ -20,7 +20,7 @@ Lesson 15's FSDP2 loop, with checkpoints that fit it:
   wrote; once all have finished, rank 0 writes complete.json (the position in training, every file's size
   and digest, and a digest of its own content), then renames the directory to step-NNNNNNNNN.  A crash, a
   kill or a full disk leaves a temporary directory or a file shorter than complete.json says: resuming
-  skips it, says so, and takes the newest complete one (course/dcp_checkpoints.py).
+  skips it, says so, and takes the newest complete one (course/checkpoints/dcp.py).
 - Verified before use: bytes changed in place (a failing disk, a bad copy) keep the sizes, and neither
   DCP's files nor torch.load carry or check a checksum.  So each rank hashes its share of the newest
   checkpoint's files (every W-th by name) and compares with complete.json; one all_reduce of the verdicts
@@ -65,7 +65,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
@@ -79,15 +79,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli, memory
-from course import dcp_checkpoints as ckpt
-from course.evaluate import evaluate
-from course.launch import backend_for, launch, setup_device
+from course.checkpoints import dcp as ckpt
+from course.launching import cli
+from course.launching.launch import backend_for, launch, setup_device
+from course.measuring import memory
+from course.measuring.profiling import add_profile_args, maybe_profile
 from course.models import add_vit_args, check_vit_args, model_from_args
-from course.output import plot_curves, rank_print, save_weights, write_json
-from course.precision import DTYPES, check_precision
-from course.profiling import add_profile_args, maybe_profile
-from course.sharded_init import init_vit_shards
+from course.training.evaluate import evaluate
+from course.training.output import plot_curves, rank_print, save_weights, write_json
+from course.training.precision import DTYPES, check_precision
+from course.training.sharded_init import init_vit_shards
 from data_tools.datasets import InMemoryMNIST, batches, require
 
 
@@ -112,8 +113,7 @@ def worker(info, args):
     init_vit_shards(model, args, args.seed)  # DIST: lesson 13's initial weights, made block by block: my rows
     after_forward = memory.watch_after_forward(model)  # parameter bytes held from forward to backward
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    # only fp16 needs loss scaling; disabled, scale() and unscale_() do nothing and step() just steps
-    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # fp16 only; off, it passes through
     directory, position = args.checkpoint_dir, {"step": 0, "epoch": 0, "batches_done": 0}
     chosen = [None, None, []]  # DIST: rank 0 lists the checkpoints and names this run's temporary directories
     if rank == 0:

@@ -42,7 +42,7 @@ The tools, in the worker and in failed_collective:
   failed rank writes RUN_DIR/flight_recorder/rank_R itself, and the analyzer names the culprit:
       python -m torch.distributed.flight_recorder.fr_trace RUN_DIR/flight_recorder -p rank_
   ("Culprit rank 1; Error type: COLLECTIVE_TYPE_MISMATCH ...").  The gloo dump is fixed up first: torch
-  2.14.1's analyzer stops with KeyError on a gloo dump as it comes (course/debugging.py).
+  2.14.1's analyzer stops with KeyError on a gloo dump as it comes (course/measuring/debugging.py).
 - a stack dump of every rank while it hangs: faulthandler prints every thread's Python stack on SIGUSR1
   (`kill -USR1` the launcher of --nproc: it passes the signal on to every rank; under torchrun, each rank's
   PID; under Slurm, `scancel --signal=USR1 JOBID`); `py-spy dump --pid PID` needs nothing in the script but
@@ -73,7 +73,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
@@ -84,12 +84,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli, debugging, results
-from course.evaluate import evaluate
-from course.launch import backend_for, launch, setup_device
+from course.launching import cli
+from course.launching.launch import backend_for, launch, setup_device
+from course.measuring import debugging
+from course.measuring.profiling import add_profile_args, maybe_profile
 from course.models import build_model
-from course.output import rank_print
-from course.profiling import add_profile_args, maybe_profile
+from course.training import results
+from course.training.evaluate import evaluate
+from course.training.output import rank_print
 from data_tools.datasets import InMemoryMNIST, batches, require
 
 
@@ -173,7 +175,8 @@ def worker(info, args):
 
 def failed_collective(info, args):
     """The worker; a collective that times out or fails ends this rank with one line: where it waited, and
-    what the other ranks did (course/debugging.py formats it), and its flight recorder dumped for the analyzer."""
+    what the other ranks did (course/measuring/debugging.py formats it), and its flight recorder dumped for the
+    analyzer."""
     started = time.time()
     try:
         return worker(info, args)

@@ -16,7 +16,7 @@ numbers say what each costs here.
   can be compared with the link's speed and across world sizes; it grows with S until the link is full,
   and small messages pay a fixed latency instead.
 - With gloo the bytes really sent are counted too: the kernel's counters of this machine's network
-  interfaces (loopback included, course/hardware.py) before and after the calls, divided among the
+  interfaces (loopback included, course/measuring/hardware.py) before and after the calls, divided among the
   ranks of this machine, against the bus formula's bytes per rank.  Measured here (torch 2.14.1, gloo):
   all_reduce and all_gather send what the formula says; gloo's reduce_scatter sends twice as much, as
   much as an all_reduce: torch's gloo backend runs reduce_scatter_tensor as an all_reduce of a copy of the
@@ -44,7 +44,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
@@ -55,13 +55,15 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from course import cli, hardware, memory, replicas
-from course.evaluate import evaluate
-from course.launch import backend_for, launch, setup_device
+from course.launching import cli
+from course.launching.launch import backend_for, launch, setup_device
+from course.measuring import hardware, memory
+from course.measuring.profiling import add_profile_args, maybe_profile
 from course.models import add_vit_args, check_vit_args, model_from_args
-from course.output import plot_curves, rank_print, save_weights, write_json
-from course.precision import DTYPES, check_precision
-from course.profiling import add_profile_args, maybe_profile
+from course.training import replicas
+from course.training.evaluate import evaluate
+from course.training.output import plot_curves, rank_print, save_weights, write_json
+from course.training.precision import DTYPES, check_precision
 from data_tools.datasets import InMemoryMNIST, batches, require
 
 

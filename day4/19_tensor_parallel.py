@@ -46,7 +46,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
@@ -60,13 +60,15 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli, hardware, memory, parallel, replicas
-from course.evaluate import evaluate
-from course.launch import backend_for, launch, setup_device
+from course.launching import cli
+from course.launching.launch import backend_for, launch, setup_device
+from course.measuring import hardware, memory, parallel
+from course.measuring.profiling import add_profile_args, maybe_profile
 from course.models import add_vit_args, check_tensor_parallel, check_vit_args, model_from_args, tensor_parallel_plan
-from course.output import plot_curves, rank_print, save_weights, write_json
-from course.precision import DTYPES, check_precision
-from course.profiling import add_profile_args, maybe_profile
+from course.training import replicas
+from course.training.evaluate import evaluate
+from course.training.output import plot_curves, rank_print, save_weights, write_json
+from course.training.precision import DTYPES, check_precision
 from data_tools.datasets import InMemoryMNIST, batches, require
 
 
@@ -147,7 +149,7 @@ def worker(info, args):
     identical = replicas.identical_on_all_ranks(parallel.uncut(model))  # DIST: the uncut parameters, equal?
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # DIST
     losses = torch.stack(losses)
-    losses = losses.tolist()  # the same on every rank: each computed the whole batch's loss
+    losses = losses.tolist()  # the same on every rank
     if rank == 0:  # DIST: one process writes the outputs
         global_batch = args.batch_size  # every rank computes on the whole batch
         samples = min(step * global_batch, args.epochs * len(sampler))

@@ -13,7 +13,7 @@ Lesson 19's loop with tensor parallelism replaced by pipeline parallelism (PP):
   batch and stage boundary.  So it also serves over the slower links between nodes.
 - Each rank builds only its stages (course/models.py, `build_stages`), from the ViT's parts drawn one at a
   time under the same seed: the stages together start from one process's weights at that seed, and no rank
-  holds the whole model.  Each becomes a torch `PipelineStage` (course/parallel.py, `timed_stages`: the
+  holds the whole model.  Each becomes a torch `PipelineStage` (course/measuring/parallel.py, `timed_stages`: the
   class, which also adds up the seconds its forward and backward chunks compute).
 - While the last stage works on the whole batch the first stage could only wait: the batch is cut into m
   micro-batches (--microbatches), numbered from 0, so that stage 0 computes micro-batch 1 while stage 1
@@ -24,7 +24,7 @@ Lesson 19's loop with tensor parallelism replaced by pipeline parallelism (PP):
   r + p, each half the blocks): the waiting shrinks, the sends double.
 - The bubble: with p stages and m micro-batches of equal compute time, each rank waits (p - 1) / (m + p - 1)
   of a step (interleaved: (p - 1) / (2m + p - 1)).  --stage-ms f makes each stage's compute take f ms in the
-  forward and 2f in the backward per micro-batch (a sleep: course/parallel.py), so that the measured
+  forward and 2f in the backward per micro-batch (a sleep: course/measuring/parallel.py), so that the measured
   waiting can be compared with the formula: 1 - the seconds rank 0's stages computed (their forward and
   backward chunks, simulated and real compute) / the seconds its schedule's steps took.  The sends, the
   schedule's own Python, the last stage's loss and the gradients' division by m count as waiting.
@@ -38,7 +38,7 @@ Lesson 19's loop with tensor parallelism replaced by pipeline parallelism (PP):
   step 3 (whose memory is measured: the tracking slows the compute down) is timed.
 - The gradient clip: each rank holds only its stages' gradients: their squared norms are added up over the
   ranks (one all_reduce), and every rank scales its own by the same factor.
-- Evaluation and model.pt: every rank gathers the stages' weights (course/parallel.py, `whole_model`) and
+- Evaluation and model.pt: every rank gathers the stages' weights (course/measuring/parallel.py, `whole_model`) and
   evaluates the whole ViT, small here; a model too large for one process would be evaluated through the
   pipeline (`schedule.eval`) and saved with lesson 16's DCP.
 - Each rank prints its node, its stages and what they hold, and step 3's memory (measured as in lessons 13
@@ -53,7 +53,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/, data_tools/
-from course.requires import require  # noqa: E402
+from course.launching.requires import require  # noqa: E402
 require(__file__)  # before torch: a torch or package this lesson lacks is one line, not an ImportError
 
 import torch
@@ -63,13 +63,14 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course import cli, memory, parallel
-from course.evaluate import evaluate
-from course.launch import backend_for, launch, setup_device
+from course.launching import cli
+from course.launching.launch import backend_for, launch, setup_device
+from course.measuring import memory, parallel
+from course.measuring.profiling import add_profile_args, maybe_profile
 from course.models import add_vit_args, build_stages, check_pipeline, check_vit_args
-from course.output import plot_curves, rank_print, save_weights, write_json
-from course.precision import DTYPES, check_precision
-from course.profiling import add_profile_args, maybe_profile
+from course.training.evaluate import evaluate
+from course.training.output import plot_curves, rank_print, save_weights, write_json
+from course.training.precision import DTYPES, check_precision
 from data_tools.datasets import InMemoryMNIST, batches, require
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
@@ -137,7 +138,7 @@ def worker(info, args):
 
     losses = torch.stack(losses)
     dist.broadcast(losses, src=world_size - 1)  # DIST: the last stage's losses, to every rank (once, at the end)
-    losses = losses.tolist()
+    losses = losses.tolist()  # the same on every rank
     if rank == 0:  # DIST: one process writes the outputs
         global_batch = args.batch_size  # every rank computes on the whole batch
         samples = min(step * global_batch, args.epochs * len(sampler))

@@ -115,7 +115,7 @@ def _module_files(module: str) -> list:
 def inputs(name: str) -> list:
     """Every repository file the outputs of notebook `name` can depend on: its source, nbhelpers.py, the files
     they name (lesson scripts, launchers, the scripts those name in turn), everything of course/ and
-    data_tools/ these import or name as a module ("course.gc_paused"), followed file by file, the
+    data_tools/ these import or name as a module ("course.launching.gc_paused"), followed file by file, the
     requirement files, and constraints.txt (the exact torch and torchvision a venv of the course gets)."""
     todo, seen = [SRC / f"{name}.py", HERE / "nbhelpers.py"], set()
     while todo:

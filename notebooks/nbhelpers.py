@@ -225,7 +225,7 @@ def _display_record(record):
 
 
 def _threads(script, args, nproc):
-    """Threads per rank the run used: what course.launch sets (cores / ranks of the node) unless
+    """Threads per rank the run used: what course.launching.launch sets (cores / ranks of the node) unless
     OMP_NUM_THREADS is set; torchrun runs here get OMP_NUM_THREADS=1."""
     if nproc is not None:
         return int(os.environ.get("OMP_NUM_THREADS", 1))
@@ -676,7 +676,7 @@ def plot_trace(paths, spans=("forward", "backward", "gradient sync", "Optimizer.
     communication threads, on one time axis (ms from the first profiled step of any rank).
 
     `paths`: one Chrome trace (JSON) per rank, as torch.profiler writes them."""
-    from course.profiling import load_trace
+    from course.measuring.profiling import load_trace
 
     traces = [load_trace(REPO / p) for p in paths]
     events = [[e for e in t["traceEvents"] if e.get("ph") == "X" and "dur" in e] for t in traces]

@@ -80,7 +80,7 @@ else
     TASKS_PER_NODE="${SLURM_NTASKS_PER_NODE:-${SLURM_TASKS_PER_NODE:-1}}"
     TASKS_PER_NODE="${TASKS_PER_NODE%%[(,]*}"  # "4(x2)" or "4,2": torchrun starts as many ranks on every node
     HEAD="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
-    PORT="${MASTER_PORT:-$((10000 + SLURM_JOB_ID % 20000))}"  # from the job id, as course/ports.py derives it
+    PORT="${MASTER_PORT:-$((10000 + SLURM_JOB_ID % 20000))}"  # from the job id, as course/launching/ports.py derives it
     # After a restart the workers could read the previous round's addresses from torchrun's shared store
     # (pytorch/pytorch#135712): a store of their own per round.
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1

@@ -17,7 +17,7 @@ PYTHON = sys.executable
 # caller chose a number.  The suite runs two test streams at once on a machine that may have only two cores;
 # a lesson with 2 threads then shares its cores with the other stream, and each of its parallel regions
 # waits for a thread that is not running: one epoch of lesson 2 took 8.2 s instead of 1.4 s next to one busy
-# process.  course/launch.py gives each rank OMP_NUM_THREADS threads when it is set, cores // ranks when not;
+# process.  course/launching/launch.py gives each rank OMP_NUM_THREADS threads when it is set, cores // ranks when not;
 # tests/test_lesson7_timing.py checks the default with the variable unset.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -124,12 +124,12 @@ def lesson_main(monkeypatch):
 
     import torch
 
-    import course.launch
+    import course.launching.launch
 
     def never(*_, **__):
         raise AssertionError("the lesson started its ranks: the bad input was not caught")
 
-    monkeypatch.setattr(course.launch, "_run", never)  # one rank in this process (torchrun, srun, --nproc 1)
+    monkeypatch.setattr(course.launching.launch, "_run", never)  # one rank in this process (torchrun, srun, --nproc 1)
     monkeypatch.setattr(torch.multiprocessing, "start_processes", never)  # ranks spawned by --nproc N
     monkeypatch.setattr(sys, "path", list(sys.path))
 

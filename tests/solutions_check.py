@@ -82,7 +82,7 @@ def metrics(run_dir) -> dict:
 
 
 def weights(path):
-    from course.output import load_weights
+    from course.training.output import load_weights
 
     return load_weights(path)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: course/
 
-from course import cli  # noqa: E402
-from course.launch import launch  # noqa: E402
+from course.launching import cli  # noqa: E402
+from course.launching.launch import launch  # noqa: E402
 
 
 def worker(info, args):

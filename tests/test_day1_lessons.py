@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, lesson, max_rel_diff, metrics, run
-from course.output import load_weights
+from course.training.output import load_weights
 
 pytestmark = pytest.mark.slow
 REL_BOUND = 1e-5
@@ -92,7 +92,7 @@ def test_lesson3_calls_only_several_processes_replication(tmp_path, capsys):
     """Rank 0's report: "N processes did N x S steps ... replication" is false for one process."""
     from types import SimpleNamespace
 
-    from course.replicas import report
+    from course.training.replicas import report
 
     args = SimpleNamespace(run_dir=tmp_path, dataset="fashion", model="mlp", batch_size=64)
     notes = {"rank": 0, "weights": "w", "data_order": "d", "steps": 5, "train_seconds": 0.1}
@@ -169,7 +169,7 @@ def test_lesson4_shards_are_disjoint_and_cover_the_data(equal_runs, world):
 
 def test_lesson4_padding_when_the_data_does_not_divide(dataset, tmp_path):
     """1001 samples over 4 ranks: DistributedSampler pads to 1004 by repeating 3 samples; every sample is
-    still covered.  (Evaluation never pads: see course/evaluate.py.)"""
+    still covered.  (Evaluation never pads: see course/training/evaluate.py.)"""
     import json
 
     lesson("day1/4_mnist_manual_ddp.py", "--nproc", "4", "--train-samples", "1001", "--max-steps", "1",

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, lesson, metrics
-from course.ports import free_port
-from course.output import load_weights
+from course.launching.ports import free_port
+from course.training.output import load_weights
 
 
 LESSONS = {9: "day2/9_torch_dist_multi_node.py", 10: "day2/10_mnist_ddp_pt_multinode.py",

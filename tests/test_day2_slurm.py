@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO, lesson, metrics
-from course.output import load_weights
+from course.training.output import load_weights
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -158,9 +158,9 @@ def test_lesson11_streams_every_sample_once_on_two_nodes(slurm_cluster, mnist_h5
 
 # ------------------------------------------------------------------ launch and device choice under Slurm
 
-# Which GPU course/devices.py gives a rank, under the GPU variables the real Slurm sets for it.  The test
+# Which GPU course/launching/devices.py gives a rank, under the GPU variables the real Slurm sets for it.  The test
 # cluster's GPUs are character devices Slurm hands out like GPUs: CUDA would find none, so the probe gives
-# course/devices.py a torch whose CUDA sees what CUDA_VISIBLE_DEVICES lists, as the real one would on a GPU
+# course/launching/devices.py a torch whose CUDA sees what CUDA_VISIBLE_DEVICES lists, as the real one would on a GPU
 # node (and costs no torch import per task), and prints which of the node's GPUs the rank took.  One write
 # per line: the ranks of a node share the output pipe.
 GPU_PROBE = """
@@ -171,8 +171,8 @@ torch = sys.modules["torch"] = types.ModuleType("torch")
 torch.cuda = types.SimpleNamespace(is_available=lambda: bool(visible), device_count=lambda: len(visible),
                                    set_device=lambda index: None)
 torch.device = lambda kind, index=None: types.SimpleNamespace(type=kind, index=index)
-from course.cli import CourseError
-from course.devices import setup_device
+from course.launching.cli import CourseError
+from course.launching.devices import setup_device
 rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
 local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
 where = f"gpu probe {{sys.argv[1]}}: rank {{rank}} on {{socket.gethostname()}}"

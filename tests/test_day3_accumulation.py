@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, lesson, metrics
-from course.output import load_weights
+from course.training.output import load_weights
 
 pytestmark = pytest.mark.slow
 SCRIPT = "day3/14_accumulation_checkpointing.py"

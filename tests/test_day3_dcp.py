@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, lesson, metrics, run
-from course.output import load_weights
+from course.training.output import load_weights
 
 pytestmark = pytest.mark.slow
 SCRIPT = "day3/16_distributed_checkpoint.py"
@@ -142,7 +142,7 @@ def test_resumed_at_the_same_world_size_is_bit_for_bit(runs):
 
 
 def test_a_torn_or_unfinished_checkpoint_is_skipped(runs):
-    from course import dcp_checkpoints
+    from course.checkpoints import dcp as ckpt
 
     out = runs["r42"][1]
     directory = metrics(runs["r42"][0])["resumed_from"].rsplit("/", 1)[0]
@@ -152,7 +152,7 @@ def test_a_torn_or_unfinished_checkpoint_is_skipped(runs):
     # the resumed run published its own step 6 in place of the torn one, and left no temporary directory
     from pathlib import Path
 
-    assert dcp_checkpoints.damage(Path(directory) / "step-000000006") is None
+    assert ckpt.damage(Path(directory) / "step-000000006") is None
     assert not list(Path(directory).glob(".step-*"))
 
 
@@ -275,7 +275,7 @@ def test_two_nodes_resume_and_save_as_one_node_does(slurm_cluster, runs):
     """srun over 2 nodes x 2 ranks resumes the one-node W = 4 run's step-3 checkpoint (each rank reads its
     shards across the nodes' shared directory), trains to step 6 and saves: the same weights as the one-node
     uninterrupted run (measured 0.0, bit for bit; bound 1e-6) and a complete checkpoint."""
-    from course import dcp_checkpoints
+    from course.checkpoints import dcp as ckpt
 
     work = slurm_cluster.workdir / "lesson16"
     directory = start_from(runs["w4"][0] / "checkpoints", 3, work / "checkpoints")
@@ -288,4 +288,4 @@ def test_two_nodes_resume_and_save_as_one_node_does(slurm_cluster, runs):
     rel = relative(vector(work / "run" / "model.pt"), vector(runs["w4"][0] / "model.pt"))
     print(f"lesson 16, 2 nodes resumed vs 1 node uninterrupted: relative weight difference {rel:.3g}")
     assert rel <= EQUAL, rel
-    assert dcp_checkpoints.damage(directory / "step-000000006") is None
+    assert ckpt.damage(directory / "step-000000006") is None

@@ -6,7 +6,7 @@ steps with momentum, the gradient clip active (lr 0.5, clip 0.5 against norms of
 
 Bounds (the numbers are next to each assertion):
 - FSDP2 against DDP, fp32, after 4 steps: the relative difference of the whole weight vector at most 1e-6;
-  measured 0.0 at W = 2 with the shards initialized block by block (course/sharded_init.py), 2.1e-8 and
+  measured 0.0 at W = 2 with the shards initialized block by block (course/training/sharded_init.py), 2.1e-8 and
   2.0e-8 at W = 2 and 4 before.  The sums run in another order (reduce_scatter against all_reduce, the
   clip's norm from shards), so rounding differs in the last bits; 1e-6 is ~8 float32 ulps of the norm.
   Checked by hand on the lesson: weights built with lesson 13's seed + rank (each rank's shard from other
@@ -19,7 +19,7 @@ Bounds (the numbers are next to each assertion):
 - reshard_after_forward true against false: the same collectives on the same numbers: equal bit for bit.
 - bytes per rank: the fullest rank holds at most 1.1/W of DDP's replica (parameters, gradients, momentum);
   measured 0.513 at W = 2 and 0.270 at W = 4 for this tiny ViT (1.03/W and 1.08/W: the position embedding's
-  dim 0 is 1, so rank 0 holds it whole), and exactly what course/memory.py's plan says before the run.
+  dim 0 is 1, so rank 0 holds it whole), and exactly what course/measuring/memory.py's plan says before the run.
 - bf16 with --reduce-dtype bf16 (MixedPrecisionPolicy: gathers, computes and reduce_scatters in bf16 over gloo)
   against fp32 FSDP2: weights after 4 steps within 0.01 relative, and above 1e-5 (else it did not compute in
   bf16); measured 5.3e-4 (5.5e-4 with the shards initialized block by block).
@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, lesson, metrics
-from course.output import load_weights
+from course.training.output import load_weights
 
 pytestmark = pytest.mark.slow
 SCRIPT = "day3/15_fsdp2.py"
@@ -107,7 +107,7 @@ def test_reshard_after_forward_false_trains_the_same_and_holds_the_whole_model(r
 @pytest.mark.parametrize("w", [2, 4])
 def test_each_rank_holds_about_one_wth_of_ddps_replica(runs, w):
     """Measured 2026-11-24: 0.513 of DDP's at W = 2, 0.270 at W = 4 (goal: at most 1.1 / W)."""
-    from course.memory import plan
+    from course.measuring.memory import plan
     from course.models import ViT
 
     m = metrics(runs[f"fsdp{w}"][0])
@@ -151,7 +151,7 @@ def test_measured_what_a_rank_holds_when_a_step_begins_is_its_shards(runs, w):
 def test_the_default_model_needs_fsdp2_to_fit_the_default_budget():
     """Width 128, depth 4 (the lesson's defaults): DDP needs 6.18 MB per rank, over 4 MB; FSDP2 over 2
     ranks 3.10 MB.  Planned from the shapes alone, which the test above shows equal to what a run holds."""
-    from course.memory import MB, plan
+    from course.measuring.memory import MB, plan
     from course.models import ViT
 
     two, one = plan(lambda: ViT(7, 128, 4, 4), 2), plan(lambda: ViT(7, 128, 4, 4), 1)

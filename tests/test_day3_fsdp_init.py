@@ -4,7 +4,7 @@ FSDP2 with GradScaler; the gradients reduce_scattered in fp32 unless --reduce-dt
 The same tiny ViT, seed and batches as tests/test_day3_fsdp.py (whose FSDP2 = DDP test also covers the
 initial weights: lesson 13's DDP builds the whole model under the same seed).
 
-- The shards' initial weights (course/sharded_init.py) against a whole ViT built under the same seed: equal
+- The shards' initial weights (course/training/sharded_init.py) against a whole ViT built under the same seed: equal
   bit for bit at W = 2 (the position embedding's one row: rank 1's shard is empty) and W = 3 (uneven rows);
   `reset_parameters()` on the shards instead ends 0.35 away at W = 2 (measured 2026-11-26: every rank draws
   its rows from its own CPU generator, torch 2.14.1 warns that DTensor random ops may not be complete on a
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, lesson, metrics, run
-from course.output import load_weights
+from course.training.output import load_weights
 
 pytestmark = pytest.mark.slow
 SCRIPT15, SCRIPT16 = "day3/15_fsdp2.py", "day3/16_distributed_checkpoint.py"
@@ -104,7 +104,7 @@ INIT = textwrap.dedent("""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from course.models import model_from_args
-    from course.sharded_init import init_vit_shards
+    from course.training.sharded_init import init_vit_shards
 
     dist.init_process_group("gloo")
     w = dist.get_world_size()
@@ -149,7 +149,7 @@ def test_the_shards_start_with_the_whole_models_initial_weights(tmp_path, w):
                env={"PYTHONPATH": str(REPO)})
     (line,) = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
     ours, reset = map(float, line.split()[1:])
-    print(f"W = {w}: max difference from the whole ViT: course/sharded_init.py {ours}, reset_parameters {reset:.3g}")
+    print(f"W = {w}: max difference from the whole ViT: init_vit_shards {ours}, reset_parameters {reset:.3g}")
     assert ours == 0.0 and reset > 0.1
 
 

@@ -4,14 +4,14 @@ Every repro must end on its own, with a non-zero exit, and say which rank waited
 the other rank had entered last.  Two bounds.  The hang is caught by the timeout: every rank that reports
 waited at most --timeout (3 s) + DETECT_SLACK_S in its collective, by its own clock (the "waited N s" of its
 line).  The job ends: its wall time is at most --timeout + the wait for the other ranks' answers
-(course/debugging.py PEER_WAIT_S, 3 s) + START_S for starting Python, torch and the ranks and training up to
+(course/measuring/debugging.py PEER_WAIT_S, 3 s) + START_S for starting Python, torch and the ranks and training up to
 the bug, which depends on the machine's load alone.  Measured on a 2-core machine: 2026-11-24, shared with
 other jobs, the healthy run 8.2-14.6 s, skip 10.9-18.8 s, uneven (torchrun) 13.9-19.8 s, shape 12.0-15.3 s;
 2026-11-26, exercise 17.1 (uneven, torchrun, --timeout 5) 14.6 s idle and 25.8 s beside four busy loops, and
 over 38 s once in a whole suite run with three workers (both ranks still waited 5.0 s).  A two-node batch
 job (skip, --timeout 10, signalled and py-spied while it waits) 18.4 s from submission.
 Checked by hand: with
-the lesson's failed_collective (named_failures in course/debugging.py then) re-raising the exception as it
+the lesson's failed_collective (named_failures in course/measuring/debugging.py then) re-raising the exception as it
 is, the ranks end with gloo's
 "Timed out waiting 3000ms for recv operation", which names neither the collective nor the other rank, and the
 three message tests below fail (skip, uneven, shape; run 2026-11-24).
@@ -181,7 +181,7 @@ def test_a_debug_server_without_jinja2_is_one_line(lesson_main, monkeypatch):
 
 
 def test_the_flight_recorder_analyzer_names_the_culprit(runs):
-    """torch's own analyzer reads the dumps the ranks wrote (fixed up for gloo: course/debugging.py)."""
+    """torch's own analyzer reads the dumps the ranks wrote (fixed up for gloo: course/measuring/debugging.py)."""
     run_dir = runs["skip"][0]
     assert sorted(p.name for p in (run_dir / "flight_recorder").iterdir()) == ["rank_0", "rank_1"]
     ran = run([PYTHON, "-m", "torch.distributed.flight_recorder.fr_trace", run_dir / "flight_recorder",

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import REPO, lesson, max_rel_diff, metrics
-from course.output import load_weights
+from course.training.output import load_weights
 
 pytestmark = pytest.mark.slow
 SCRIPT = "day3/13_mixed_precision.py"
@@ -134,8 +134,8 @@ def test_bad_flags_are_one_line(args, says, tmp_path, capsys, dataset):
 def test_a_dtype_autocast_cannot_compute_in_is_one_clear_error(monkeypatch):
     """CPU builds before torch 2.2 had no fp16 autocast: autocast warned and computed in fp32.  The check
     turns that into an error before any rank starts (torch 2.14's CPU has both dtypes: simulated here)."""
-    from course import precision
-    from course.cli import CourseError
+    from course.launching.cli import CourseError
+    from course.training import precision
 
     real = torch.autocast
 

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, lesson, metrics, run
-from course.output import load_weights
+from course.training.output import load_weights
 
 pytestmark = pytest.mark.slow
 HARDWARE, TP, MESH = "day4/18_hardware_limits.py", "day4/19_tensor_parallel.py", "day4/20_device_mesh_2d.py"

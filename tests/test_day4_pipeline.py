@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from conftest import lesson, metrics
-from course.output import load_weights
+from course.training.output import load_weights
 
 pytestmark = pytest.mark.slow
 HARDWARE, PIPELINE = "day4/18_hardware_limits.py", "day4/21_pipeline_parallel.py"

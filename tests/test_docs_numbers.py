@@ -16,8 +16,8 @@ import nbformat
 import pytest
 
 from conftest import REPO, run
-from course import timing
-from course.ports import free_port
+from course.launching.ports import free_port
+from course.measuring import timing
 
 PAGES = ["docs/learners/scaling.md", "docs/learners/profiling.md", *sorted(
     str(p.relative_to(REPO)) for n in range(3, 8) for p in REPO.glob(f"solutions/{n}_*.md"))]
@@ -25,7 +25,7 @@ TIMING = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?) ?(ms|s|x|%)(?
 RESULT = re.compile(r"(?<![\w.])0\.\d{4}(?!\d)")
 # numbers with a unit that are not measurements: (page, text as written) -> where they come from
 FIXED = {
-    ("docs/learners/scaling.md", "15 %"): "the share by which the parts may miss a step: course/timing.ACCOUNTED",
+    ("docs/learners/scaling.md", "15 %"): "the share by which the parts may miss a step: course/measuring/timing.ACCOUNTED",
     ("docs/learners/scaling.md", "4 x"): "lesson 8's scaled learning rate, 4 x lr, not a time",
     ("docs/learners/profiling.md", "10-30 s"): "how long TensorBoard's plugin takes to list runs, a usage hint",
     ("solutions/5_mnist_manual_ddp_profile.md", "0 %"): "the overlap of a bucket that starts after backward",

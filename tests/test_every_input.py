@@ -99,7 +99,7 @@ ENV_NOT_WALKED = {
     "SLURMD_NODENAME": "only printed and compared: the node a rank runs on (lesson 20's mesh rows, lesson 21's stages)",
     "SLURM_RESTART_COUNT": "set by Slurm itself on a requeue, only counted",
     "TORCHELASTIC_RESTART_COUNT": "set by torchrun itself, only counted",
-    "CUDA_VISIBLE_DEVICES": "read by the CUDA runtime; course/devices.py says when a rank sees no GPU",
+    "CUDA_VISIBLE_DEVICES": "read by the CUDA runtime; course/launching/devices.py says when a rank sees no GPU",
     "CUBLAS_WORKSPACE_CONFIG": "set by lesson 12 for reproducible kernels, not read",
     "COURSE_START_METHOD": "how --nproc starts its ranks; a bad value, or fork where it is unsafe, is one line "
                            "(tests/test_launch.py)",

@@ -263,7 +263,7 @@ def test_flipped_bytes_load_silently_but_the_digest_finds_them(reference, tmp_pa
     """The reference run's two checkpoints, copied: with 64 bytes flipped in the middle of the newest,
     torch.load still loads it (no checksum), newest_valid names it in one line and returns the older one;
     flipped in both, none is left: one line each, None (the lesson then starts at step 0, as with torn ones)."""
-    from course.checkpoints import newest_valid
+    from course.checkpoints.files import newest_valid
 
     ckpts = tmp_path / "checkpoints"
     shutil.copytree(reference / "checkpoints", ckpts, ignore=shutil.ignore_patterns(".lock"))

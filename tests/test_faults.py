@@ -29,7 +29,7 @@ from test_fault_tolerance import Running, descendants, parent, start_time
 KILL_BOUND = 60  # seconds from SIGKILL to the job's exit; the ranks' --timeout is far above it (120 s)
 SMALL = ["--train-samples", "640", "--batch-size", "32"]  # 10 steps per epoch at 2 ranks
 SRUN_RANK = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_LOCALID": "0",
-             "SLURM_JOB_ID": "4242"}  # what srun gives a task: enough for course/launch.py to take the srun path
+             "SLURM_JOB_ID": "4242"}  # what srun gives a task: enough for course.launching to take the srun path
 
 
 def one_line(proc, code, *phrases):
@@ -160,7 +160,7 @@ def test_a_rank_killed_mid_training_ends_the_whole_job(dataset, tmp_path, script
 
 def test_every_process_group_init_has_a_timeout():
     calls = []
-    for path in [*REPO.glob("day*/*.py"), *REPO.glob("course/*.py"), *REPO.glob("benchmarks/*.py"),
+    for path in [*REPO.glob("day*/*.py"), *REPO.glob("course/**/*.py"), *REPO.glob("benchmarks/*.py"),
                  *REPO.glob("data_tools/*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == \
@@ -172,8 +172,8 @@ def test_every_process_group_init_has_a_timeout():
 
 @pytest.mark.parametrize("addr", ["192.0.2.1", "no-such-host.invalid"])  # TEST-NET-1 is never routed
 def test_a_rank_that_cannot_reach_rank0_gives_up_within_the_timeout(monkeypatch, addr):
-    from course.cli import CourseError
-    from course.ports import wait_for_rank0
+    from course.launching.cli import CourseError
+    from course.launching.ports import wait_for_rank0
 
     with socket.socket() as s:  # a port nobody listens on (for the address that does answer)
         s.bind(("127.0.0.1", 0))
@@ -485,7 +485,7 @@ def test_no_fixed_master_port_in_lessons_and_launchers():
 
 
 def _check_many(path_and_times):
-    from course.cli import unwritable
+    from course.launching.cli import unwritable
 
     path, times = path_and_times
     return [unwritable(Path(path)) for _ in range(times)]
@@ -510,7 +510,7 @@ def test_the_process_group_ends_where_the_lesson_ends_it(lesson, tmp_path):
     threads while the interpreter shuts down, and a rank that has finished its work can then abort
     ('terminate called without an active exception', lesson 5: 2 of 50 runs in a stress loop under load).
     torch.optim imports torch._dynamo on first use, and imported after init_process_group it keeps the
-    group alive (torch 2.14); course/launch.py imports it in each rank first.  Lesson 5 also runs the
+    group alive (torch 2.14); course/launching/launch.py imports it in each rank first.  Lesson 5 also runs the
     profiler, whose thread lives on; lesson 6 wraps the model in DDP."""
     proc = run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 str(REPO / "tests" / "threads_after_lesson.py"), str(REPO / lesson), "--quick",

@@ -26,7 +26,7 @@ import signal
 import pytest
 
 from conftest import GPU_ENV, PYTHON, REPO, max_rel_diff, metrics, run
-from course.output import load_weights
+from course.training.output import load_weights
 from test_fault_tolerance import Running, assert_bitwise_equal
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

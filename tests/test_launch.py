@@ -1,5 +1,5 @@
-"""How `python lesson.py --nproc N` starts its ranks (course/launch.py, course/supervise.py): forked from one
-fork server that has imported torch, each with the environment of its own launch; COURSE_START_METHOD=spawn
+"""How `python lesson.py --nproc N` starts its ranks (course/launching/launch.py and supervise.py): forked from
+one fork server that has imported torch, each with the environment of its own launch; COURSE_START_METHOD=spawn
 for fresh interpreters instead."""
 import re
 
@@ -22,7 +22,7 @@ def test_ranks_see_their_own_launch_and_torch_is_imported_once_for_all(method, i
     server started with the first one.  torch is imported by the launching process only (the default on a
     machine without GPUs: fork), by it and the fork server (forkserver), not again by each of the 5 ranks
     (spawn: by every rank).  The fork server imports without Python's garbage collector
-    (course/gc_paused.py); every rank has it on."""
+    (course/launching/gc_paused.py); every rank has it on."""
     proc = run([PYTHON, TWICE], env={"COURSE_START_METHOD": method, "PYTHONPROFILEIMPORTTIME": "1"}, timeout=180)
     seen = sorted(re.findall(r"^launch=(\d) rank=(\d) world=(\d) port=(\d+) gc=1$", proc.stdout, flags=re.M))
     assert [(launch, rank, world) for launch, rank, world, _ in seen] == \
@@ -47,8 +47,8 @@ def test_a_process_whose_threads_have_run_is_not_forked(monkeypatch):
     and an explicit COURSE_START_METHOD=fork there is one line."""
     import torch
 
-    from course import supervise
-    from course.cli import CourseError
+    from course.launching import supervise
+    from course.launching.cli import CourseError
 
     monkeypatch.delenv("COURSE_START_METHOD", raising=False)
     monkeypatch.setattr(supervise, "_THREADS_AT_IMPORT", supervise._thread_count())

@@ -19,11 +19,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import course.devices
+import course.launching.devices
 from conftest import REPO
-from course.cli import CourseError
-from course.devices import setup_device, tasks_on_this_node
-from course.launch import detect_launcher, world_size
+from course.launching.cli import CourseError
+from course.launching.devices import setup_device, tasks_on_this_node
+from course.launching.launch import detect_launcher, world_size
 
 LAUNCH_VARIABLES = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "CUDA_VISIBLE_DEVICES",
                     "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
@@ -38,7 +38,7 @@ def machine(monkeypatch):
     their capability and made current."""
     for name in LAUNCH_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    course.devices.use_layout(None, None)
+    course.launching.devices.use_layout(None, None)
     seen = SimpleNamespace(capability_asked=[], current=[])
 
     def gpus(n, capability=(8, 0), name="NVIDIA A100-SXM4-40GB"):
@@ -163,15 +163,15 @@ def test_torchrun_ranks_take_their_local_rank(machine):
 
 def test_the_launchers_layout_wins_over_the_environment(machine):
     """`--nproc 2` inside a one-task srun step: the ranks inherit the step's variables (one task on the
-    node), but course/launch.py records that the node runs 2 ranks, started by the lesson itself."""
+    node), but course/launching/launch.py records that the node runs 2 ranks, started by the lesson itself."""
     machine.gpus(1)
     srun_task(machine, 0, 1, gpus_on_node=2, visible=0)
-    course.devices.use_layout(2, "self")
+    course.launching.devices.use_layout(2, "self")
     try:
         with pytest.raises(CourseError, match=r"^2 ranks on this node share 1 visible GPU"):
             setup_device("cuda", 1)
     finally:
-        course.devices.use_layout(None, None)
+        course.launching.devices.use_layout(None, None)
 
 
 def test_tasks_per_node_is_this_nodes_count(monkeypatch):
@@ -239,7 +239,7 @@ def test_an_nproc_that_disagrees_with_a_multi_task_step_is_one_line_from_task_0(
 def test_world_size_helpers_follow_the_launcher_not_the_jobs_task_count(machine):
     """A batch script's own shell has SLURM_NTASKS=4 (the job's) but no step: `python lesson.py --nproc 2`
     there runs 2 ranks, and the memory budget and DCP's resume check must plan for 2 (the old helper read 4)."""
-    from course.memory import world_size_of
+    from course.measuring.memory import world_size_of
 
     machine.env(SLURM_JOB_ID=41, SLURM_PROCID=0, SLURM_NTASKS=4, SLURM_TASKS_PER_NODE="4")
     assert world_size_of(SimpleNamespace(nproc=2)) == 2
@@ -268,7 +268,7 @@ def test_bf16_on_a_gpu_before_ampere_is_one_line_naming_the_gpu(lesson_main, mac
 
 
 def test_bf16_on_ampere_passes_and_reads_only_the_ranks_own_gpu(machine):
-    from course.precision import check_precision
+    from course.training.precision import check_precision
 
     args = SimpleNamespace(device="auto", precision="bf16", compile=False, bucket_cap_mb=25.0, nproc=2)
     machine.gpus(4)
@@ -287,7 +287,7 @@ def test_bf16_on_ampere_passes_and_reads_only_the_ranks_own_gpu(machine):
 
 
 def test_bf16_on_a_bound_task_before_ampere_names_its_own_gpu(machine):
-    from course.precision import check_precision
+    from course.training.precision import check_precision
 
     machine.gpus(1, capability=(7, 5), name="Tesla T4")
     srun_task(machine, 1, 2, gpus_on_node=2, visible=1)

@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 from conftest import lesson, metrics
-from course.output import load_weights
+from course.training.output import load_weights
 
 SCRIPT = "day1/7_mnist_ddp_pt_timing.py"
 COLUMNS = ["date", "host", "world_size", "threads_per_rank", "model", "batch_per_rank", "device", "epochs",
@@ -30,7 +30,7 @@ def timings(run_dir) -> list:
 
 
 def default_threads(ranks_on_node: int) -> int:
-    """What course.launch gives each rank when OMP_NUM_THREADS is not set: the node's cores // its ranks."""
+    """What course.launching.launch gives each rank when OMP_NUM_THREADS is not set: the node's cores // its ranks."""
     return max(1, os.cpu_count() // ranks_on_node)
 
 
@@ -136,7 +136,7 @@ def test_the_model_s_arithmetic_on_recorded_numbers(tmp_path, capsys):
     core busy): the printed prediction is W x s_1 / s_W with s = compute + communication + fixed costs, the
     parts are set against the training's step, the estimate for a GPU per rank keeps 1 rank's compute and
     fixed costs, and the two factors multiply to the prediction."""
-    from course import timing
+    from course.measuring import timing
 
     def recorded(w, threads, sps, step, c, m, f, others):
         return {"date": "2026-11-26T08:28:00", "host": "vm", "world_size": w, "threads_per_rank": threads,
@@ -170,7 +170,7 @@ def test_the_model_s_arithmetic_on_recorded_numbers(tmp_path, capsys):
                                                                   (False, 0.9, "other programs took")])
 def test_a_step_the_parts_do_not_account_for_names_what_no_part_times(tmp_path, capsys, more_threads_than_cores,
                                                                       others, why):
-    from course import timing
+    from course.measuring import timing
 
     threads = os.cpu_count() if more_threads_than_cores else 1  # 2 ranks x 1 thread: cores enough (2 or more)
 
@@ -195,7 +195,7 @@ def test_a_step_the_parts_do_not_account_for_names_what_no_part_times(tmp_path, 
 
 
 def test_the_table_keeps_the_latest_run_per_world_size_and_fresh_starts_over(tmp_path):
-    from course import timing
+    from course.measuring import timing
 
     def row(world_size, samples_per_second, date, model="mlp"):
         return {"date": date, "host": "h", "world_size": world_size, "threads_per_rank": 1, "model": model,
@@ -223,7 +223,7 @@ def test_the_table_keeps_the_latest_run_per_world_size_and_fresh_starts_over(tmp
                                                    (104.0, 0.05, "make no measurable difference"),
                                                    (130.0, 0.4, "make no measurable difference")])
 def test_the_verdict_puts_1_against_the_speedup_and_its_noise(tmp_path, capsys, speed, noise, verdict):
-    from course import timing
+    from course.measuring import timing
 
     def row(world_size, samples_per_second, model="mlp", batch=64):
         return {"date": "d", "host": "h", "world_size": world_size, "threads_per_rank": 1, "model": model,

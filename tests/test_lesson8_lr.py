@@ -110,7 +110,7 @@ def test_torchrun_says_how_to_make_the_reference_then_uses_it(two_ranks, tmp_pat
 
 
 def test_deviation_is_the_largest_gap_of_the_moving_means():
-    from course import curves as lesson8
+    from course.training import curves as lesson8
     reference = [(64 * (i + 1), 2.0 - 0.001 * i) for i in range(400)]
     shifted = [(256 * (i + 1), 2.0 - 0.001 * (4 * i + 1.5) + 0.05) for i in range(100)]  # 4 ranks, +0.05
     dev = lesson8.deviation(shifted, reference, window=2560, after=10240)

@@ -85,8 +85,8 @@ def strings_a_learner_reads(path) -> list:
 
 def test_no_test_vocabulary_in_what_the_lessons_print_or_explain():
     words = re.compile(r"\b(the|our|course's) tests?\b|\bbound\b|\btolerance\b", re.I)
-    files = LESSONS + [REPO / "course" / f"{name}.py" for name in
-                       ("timing", "curves", "replicas", "coverage", "checkpoints", "profiling")]
+    files = LESSONS + [REPO / "course" / f"{name}.py" for name in ("measuring/timing", "training/curves",
+                       "training/replicas", "training/coverage", "checkpoints/files", "measuring/profiling")]
     found = [f"{path.relative_to(REPO)}: {m.group(0)!r} in {text[:80]!r}" for path in files
              for text in strings_a_learner_reads(path) for m in [words.search(text)] if m]
     assert not found, "\n".join(found)

@@ -1,4 +1,4 @@
-"""course/memory.py's measurement of a training step (StepPeak, LiveTensors), in one process, without a lesson.
+"""course/measuring/memory.py's measurement of a training step (StepPeak, LiveTensors), in one process, no lesson.
 
 - On the CPU, LiveTensors' peak of one step equals torch's own MemTracker's (torch.distributed._tools), byte for
   byte, with and without activation checkpointing (measured 2026-11-26: 14 848 896 and 6 099 840 bytes for the
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from course.memory import LiveTensors, StepPeak
+from course.measuring.memory import LiveTensors, StepPeak
 from course.models import ViT
 
 CPU = torch.device("cpu")

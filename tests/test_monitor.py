@@ -1,4 +1,4 @@
-"""`--watch-hardware` (course/monitor.py), watching the hardware from inside each rank: lesson 6 run for real.
+"""`--watch-hardware` (course/measuring/monitor.py), watching the hardware from inside each rank: lesson 6 run for real.
 
 - Two real runs of lesson 6, 2 ranks, gloo, the CPU, its own launcher: the whole training set and --quick.  Each rank writes hardware/rank{r}.json and TensorBoard scalars of its own, prints one line,
   and its numbers are plausible: CPU% > 0 while it trains, RSS above the bytes of its in-memory dataset, and
@@ -124,7 +124,7 @@ def test_a_bad_interval_is_one_line(tmp_path, interval, says):
 def test_interval_values_refused(text):
     import argparse
 
-    from course.monitor import interval_seconds
+    from course.measuring.monitor import interval_seconds
     with pytest.raises(argparse.ArgumentTypeError):
         interval_seconds(text)
     assert interval_seconds("0.25") == 0.25
@@ -137,7 +137,7 @@ def test_torchrun_passes_the_options_on_to_the_lesson():
 
     from torch.distributed.run import get_args_parser
 
-    from course.profiling import add_profile_args
+    from course.measuring.profiling import add_profile_args
     options = []
     for action in add_profile_args(argparse.ArgumentParser())._actions:
         if action.option_strings[0] != "-h":
@@ -147,7 +147,7 @@ def test_torchrun_passes_the_options_on_to_the_lesson():
 
 
 def test_importing_the_plumbing_imports_no_monitoring_package():
-    code = ("import sys; import course.profiling, course.monitor; "
+    code = ("import sys; import course.measuring.profiling, course.measuring.monitor; "
             "print(sorted(m for m in ('psutil', 'pynvml', 'tensorboard') if m in sys.modules))")
     assert run([PYTHON, "-c", code]).stdout.strip() == "[]"
 
@@ -194,7 +194,7 @@ def fake_gpu(monkeypatch):
 def test_nvml_index_follows_the_uuid_not_the_cuda_number(fake_gpu):
     import pynvml
 
-    from course.monitor import nvml_index
+    from course.measuring.monitor import nvml_index
     assert [nvml_index(pynvml, NODE[i]["uuid"][4:]) for i in VISIBLE] == [2, 0]
     assert nvml_index(pynvml, NODE[1]["uuid"].upper()) == 1
     assert nvml_index(pynvml, "MIG-0f3a1c52-0000-4000-8000-00000000000c") is None
@@ -203,7 +203,7 @@ def test_nvml_index_follows_the_uuid_not_the_cuda_number(fake_gpu):
 def test_a_rank_samples_its_own_gpu_and_stops(fake_gpu, tmp_path, capsys):
     import torch
 
-    from course.monitor import Monitor
+    from course.measuring.monitor import Monitor
     monitor = Monitor(0, 2, torch.device("cuda", 0), 0.02, tmp_path / "rank0.json", tmp_path / "tb").start()
     time.sleep(0.15)
     summary = monitor.stop()
@@ -223,7 +223,7 @@ def test_a_rank_samples_its_own_gpu_and_stops(fake_gpu, tmp_path, capsys):
 def test_a_gpu_nvml_does_not_list_gives_a_note(fake_gpu, tmp_path, capsys, monkeypatch):
     import torch
 
-    from course.monitor import Monitor
+    from course.measuring.monitor import Monitor
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(
         name="Fake GPU", uuid=TorchUuid("0f3a1c52-0000-4000-8000-0000000000ff")))  # e.g. a MIG slice
     summary = Monitor(0, 1, torch.device("cuda", 0), 0.02, tmp_path / "r.json", tmp_path / "tb").start().stop()
@@ -234,7 +234,7 @@ def test_a_gpu_nvml_does_not_list_gives_a_note(fake_gpu, tmp_path, capsys, monke
 
 
 def test_a_failing_rank_exits_at_once(tmp_path):
-    code = ("import torch, time; from course.monitor import Monitor; "
+    code = ("import torch, time; from course.measuring.monitor import Monitor; "
             f"Monitor(0, 1, torch.device('cpu'), 0.05, {str(tmp_path / 'r.json')!r}, {str(tmp_path)!r}).start(); "
             "time.sleep(0.2); raise RuntimeError('training failed')")
     start = time.perf_counter()

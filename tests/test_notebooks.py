@@ -249,7 +249,7 @@ def test_notebook_executes_headless(name, dataset, request):
 
 def test_the_inputs_digest_changes_with_any_file_a_notebook_depends_on(tmp_path, monkeypatch):
     """A copy of the repository: changing a module the notebook's lesson imports, one its launcher preloads by
-    name (course/gc_paused.py), the requirements or the pinned torch (constraints.txt) changes the digest; a
+    name (course/launching/gc_paused.py), the requirements or the pinned torch (constraints.txt) changes the digest; a
     README does not."""
     import shutil
 
@@ -262,13 +262,13 @@ def test_the_inputs_digest_changes_with_any_file_a_notebook_depends_on(tmp_path,
     monkeypatch.setattr(build_notebooks, "SRC", tmp_path / "notebooks" / "src")
     name = "6_mnist_ddp_pt"
     names = {p.relative_to(tmp_path).as_posix() for p in build_notebooks.inputs(name)}
-    assert {"day1/6_mnist_ddp_pt.py", "course/models.py", "course/gc_paused.py", "data_tools/datasets.py",
+    assert {"day1/6_mnist_ddp_pt.py", "course/models.py", "course/launching/gc_paused.py", "data_tools/datasets.py",
             "notebooks/nbhelpers.py", "notebooks/src/6_mnist_ddp_pt.py", "requirements.txt",
             "constraints.txt"} <= names
     before = build_notebooks.inputs_sha256(name)
     (tmp_path / "README.md").write_text("changed")
     assert build_notebooks.inputs_sha256(name) == before
-    for changed in ("course/models.py", "course/gc_paused.py", "requirements.txt", "constraints.txt"):
+    for changed in ("course/models.py", "course/launching/gc_paused.py", "requirements.txt", "constraints.txt"):
         with open(tmp_path / changed, "a") as f:
             f.write("\n# changed\n")
         assert build_notebooks.inputs_sha256(name) != before, changed

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import lesson, metrics
-from course.output import load_weights
-from course.profiling import comm_summary, rank_comm_stats
+from course.measuring.profiling import comm_summary, rank_comm_stats
+from course.training.output import load_weights
 from tensorboard_server import PROFILER_API, tensorboard
 
 LESSON5 = "day1/5_mnist_manual_ddp_profile.py"

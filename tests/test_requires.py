@@ -1,4 +1,4 @@
-"""A job's Python must have what its lesson needs (course/requires.py), checked once before any rank: a site's
+"""A job's Python must have what its lesson needs (course/launching/requires.py), checked once before any rank: a site's
 PyTorch module without h5py, or with a torch older than day 3 needs, is one line naming what is missing and the
 interpreter, not a traceback on every rank.
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from course import requires
+from course.launching import requires
 
 SITE_PACKAGES = next(Path(p) for p in sys.path if p.endswith("site-packages") and Path(p, "torch").is_dir())
 
@@ -102,10 +102,11 @@ def imports_of(path: Path):
         parts = dotted.split(".")
         if parts[0] not in ("course", "data_tools"):
             names.add(parts[0])
-        elif len(parts) > 1:
+        elif REPO.joinpath(*parts).is_dir():  # from course.launching import cli
+            package = REPO.joinpath(*parts)
+            ours.update(package / f"{m}.py" for m in members if (package / f"{m}.py").is_file())
+        else:  # from course.launching.launch import launch
             ours.add(REPO.joinpath(*parts).with_suffix(".py"))
-        else:  # from course import cli, memory
-            ours.update(REPO / parts[0] / f"{m}.py" for m in members if (REPO / parts[0] / f"{m}.py").is_file())
 
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -118,7 +119,7 @@ def imports_of(path: Path):
 
 def test_every_package_a_lesson_imports_is_checked_for_it():
     """Every third-party module reachable from a lesson (its own imports and those of the course/ and
-    data_tools/ modules it imports, followed module by module) is what course/requires.py checks for that
+    data_tools/ modules it imports, followed module by module) is what course/launching/requires.py checks for that
     lesson with all its options, or is in NOT_CHECKED: a new import cannot skip the check."""
     stdlib = set(sys.stdlib_module_names)
     scripts = sorted([*REPO.glob("day*/*.py"), REPO / "data_tools" / "create_mnist_h5.py"])
@@ -142,7 +143,7 @@ def test_every_package_a_lesson_imports_is_checked_for_it():
 
 
 def test_a_day_3_lesson_started_by_hand_on_a_torch_too_old_says_so_in_one_line(tmp_path):
-    """The lesson's own first step (course/requires.py require), before it imports torch: no ImportError from
+    """The lesson's own first step (course/launching/requires.py require), before it imports torch: no ImportError from
     `from torch.distributed.fsdp import fully_shard`, no rank; a day-1 lesson goes on on the same interpreter."""
     python = python_without(tmp_path, torch_version="2.5.1")
     done = subprocess.run([python, REPO / "day3" / "15_fsdp2.py", "--nproc", "2", "--quick"], capture_output=True,

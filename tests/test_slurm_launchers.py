@@ -701,8 +701,8 @@ def test_port_check_ignores_time_wait_but_not_a_listener():
     SO_REUSEADDR); a port someone listens on is not."""
     import socket
 
-    from course.cli import CourseError
-    from course.ports import check_port_is_free
+    from course.launching.cli import CourseError
+    from course.launching.ports import check_port_is_free
 
     with socket.socket() as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore listens

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, max_rel_diff, run
-from course.ports import free_port
+from course.launching.ports import free_port
 from solutions_check import argv, commands, metrics, run_edited, run_solution, solution, weights
 
 
@@ -117,7 +117,7 @@ def test_4_2_three_ranks_pad_one_sample(tmp_path, dataset):
 # ------------------------------------------------------------------------------------------ lesson 5
 
 def comm(log_dir):
-    from course.profiling import comm_summary
+    from course.measuring.profiling import comm_summary
 
     return comm_summary(log_dir)
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import REPO, environ, max_rel_diff, run
-from course.ports import free_port
+from course.launching.ports import free_port
 from solutions_check import SOLUTIONS, argv, commands, metrics, run_solution, solution, weights
 
 

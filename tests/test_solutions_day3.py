@@ -205,7 +205,7 @@ def test_17_2_sigusr1_prints_every_ranks_stack(tmp_path, dataset):
     debug server's page process ends with the run (its port is free again)."""
     import urllib.request
 
-    from course.ports import free_port
+    from course.launching.ports import free_port
 
     cmd, env = argv(commands("17_debugging_hangs", 2)[0], tmp_path)
     port = free_port()

@@ -3,7 +3,7 @@
     srun ... python tests/threads_of_rank.py LESSON ARGS...
 
 After the lesson returns, each rank prints one line `threads of rank R: N (OMP_NUM_THREADS=V)`, N being
-torch's intra-op threads as the lesson's launch set them (course/devices.py, share_cpu_cores).
+torch's intra-op threads as the lesson's launch set them (course/launching/devices.py, share_cpu_cores).
 """
 import os
 import sys

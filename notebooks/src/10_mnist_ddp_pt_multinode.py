@@ -71,7 +71,7 @@ run_lesson("day2/10_mnist_ddp_pt_multinode.py", *SIZE, *DEVICE, "--run-dir", RUN
            nproc=2 * PER_NODE)
 
 # %%
-from course.output import load_weights
+from course.training.output import load_weights
 
 two, one = read_json(RUN / "two_nodes" / "metrics.json"), read_json(RUN / "one_node" / "metrics.json")
 draw_nodes(placement=two["placement"], device="cuda" if two["backend"] == "nccl" else "cpu",

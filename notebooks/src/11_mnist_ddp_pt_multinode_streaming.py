@@ -50,7 +50,7 @@ H5 = REPO / "data" / "fashion-mnist-chunk1000.h5" if FULL_SIZE else RUN / "fashi
 # The in-memory dataset and the `DistributedSampler` give way to `ChunkShardSampler` (one permutation of the
 # chunks, dealt round-robin) and a DataLoader handing over whole chunks, which `rebatch` cuts into batches;
 # the loop runs inside `model.join()`, and after it the ranks that stopped early get the momentum. The
-# bookkeeping is `course/coverage.py`'s: every rank's steps, how often each sample was trained on, each
+# bookkeeping is `course/training/coverage.py`'s: every rank's steps, how often each sample was trained on, each
 # step's loss, the time waited for data, and whether the replicas ended identical.
 
 # %%

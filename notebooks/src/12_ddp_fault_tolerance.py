@@ -54,7 +54,7 @@ RUN = run_dir("12_ddp_fault_tolerance")
 # every `--checkpoint-every` steps and at the stop or the end, written by rank 0 with every rank's random
 # state; and the resume at the right batch of the right epoch, which is why the batches come from
 # `batches()` over the sampler's order instead of lesson 10's DataLoader. Lesson 10's placement report,
-# per-node line and launcher check are gone (`--nproc` works). The bookkeeping is `course/checkpoints.py`'s:
+# per-node line and launcher check are gone (`--nproc` works). The bookkeeping is `course/checkpoints/files.py`'s:
 # deterministic kernels, the directory's lock (two runs never share it) and the pid lines (`prepare`); the
 # position and the records (`new_state`, `after_step`, `record_stop`, `end_epoch`); `save` and `restore`;
 # and the closing `report`.
@@ -118,7 +118,7 @@ run_lesson("day2/12_ddp_fault_tolerance.py", *ARGS, "--run-dir", REFERENCE, npro
 # weights.
 
 # %%
-from course.output import load_weights
+from course.training.output import load_weights
 
 resumed, reference = read_json(RUN / "metrics.json"), read_json(REFERENCE / "metrics.json")
 fig, ax = plt.subplots()

@@ -148,7 +148,7 @@ md(f"Skipped steps: {o['skipped_steps']}. "
 # dynamo then cuts the graph at DDP's bucket boundaries, so each bucket's all_reduce still starts while the
 # rest of backward runs (compiled before wrapping, the model would be one graph whose gradients all arrive at
 # its end). The first forward and backward compile; the lesson runs them once before training
-# (`course/precision.py`'s `warm_up`; their gradients are thrown away), so the step times are training's
+# (`course/training/precision.py`'s `warm_up`; their gradients are thrown away), so the step times are training's
 # alone, and rank 0 says how long compiling took:
 #
 # ```bash

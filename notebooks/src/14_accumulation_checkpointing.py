@@ -19,9 +19,9 @@
 #   input, not its intermediate tensors, and backward runs the block's forward again to get them back. Less
 #   memory for more compute, and the same arithmetic: the same gradients.
 #
-# What each saves is counted while the run trains (course/accumulation.py): a DDP communication hook counts
+# What each saves is counted while the run trains (course/measuring/accumulation.py): a DDP communication hook counts
 # every bucket it all_reduces, and saved-tensor hooks count the bytes autograd keeps for backward. And what
-# it saves in memory is measured: every rank measures its third step (course/memory.py's `StepPeak`), the
+# it saves in memory is measured: every rank measures its third step (course/measuring/memory.py's `StepPeak`), the
 # bytes it held as the step's first forward began and the most it held above that until `optimizer.step()`
 # (on a GPU `torch.cuda.max_memory_allocated`, on the CPU the live tensors).
 
@@ -90,7 +90,7 @@ show_table([{"run": name, "K": r["accumulate"], "batch per rank": r["batch_size"
 import numpy as np
 import torch
 
-from course.output import load_weights
+from course.training.output import load_weights
 
 
 def weights(name):

@@ -16,7 +16,7 @@
 #   holds the whole model, which is the point for a model that does not fit one GPU. The shards then get
 #   lesson 13's initial weights: every rank makes the model again on the CPU one part at a time (embedding,
 #   one block, the next block, ...) under the same seed and keeps only its own rows of each
-#   (`course/sharded_init.py`). `reset_parameters()` on the shards would not do: each rank would draw its rows
+#   (`course/training/sharded_init.py`). `reset_parameters()` on the shards would not do: each rank would draw its rows
 #   from its own random generator, not the rows a whole model gets.
 # - **Forward**: before a block runs, its shards are **all_gathered** into whole parameters; after it they
 #   are freed again (`reshard_after_forward=True`, ZeRO-3) or kept until backward (`False`, ZeRO-2).
@@ -50,7 +50,7 @@ RUN = run_dir("15_fsdp2")
 import sys
 
 sys.path.insert(0, str(REPO))
-from course.memory import MB, plan
+from course.measuring.memory import MB, plan
 from course.models import ViT
 
 plans = {w: plan(lambda: ViT(7, 128, 4, 4), w) for w in (1, 2, 4, 8)}
@@ -163,7 +163,7 @@ md(f"The fullest rank holds {fullest / MB:.2f} MB, **{fullest / p['ddp']:.3f}** 
 # ## Measured: the peak of a step
 #
 # Counting the state is not the whole story: a step also holds activations, gathered blocks and the
-# collectives' buffers. Every rank of lessons 13 and 15 measures its third step (course/memory.py's
+# collectives' buffers. Every rank of lessons 13 and 15 measures its third step (course/measuring/memory.py's
 # `StepPeak`: `torch.cuda.max_memory_allocated` on a GPU, the live tensors on the CPU) and prints what it
 # held as the step's forward began and the most it held during the step. Rank 0's numbers from the runs
 # above, and from two more runs of a model whose state dominates, a ViT of width 256 and depth 8 with a

@@ -55,7 +55,7 @@ def lesson_args(world_size, run, *extra):
 # loads its rows of the newest intact one; in the loop, a save every `--checkpoint-every` steps and one at the end;
 # the loop skips the batches a resumed epoch has already trained on. The file plumbing (temporary
 # directories, the digests, `complete.json`, skipping damaged ones, the export) is in
-# [`course/dcp_checkpoints.py`](../course/dcp_checkpoints.py).
+# [`course/checkpoints/dcp.py`](../course/checkpoints/dcp.py).
 
 # %%
 show_diff("day3/15_fsdp2.py", "day3/16_distributed_checkpoint.py")

@@ -60,7 +60,7 @@ show_table([{"ranks n": n, "all_reduce: bytes sent per rank / S = busbw / algbw"
 # ## What changed against lesson 13
 #
 # The sweep of the collectives before training (`bandwidth`, its timing and the interface counters in
-# `course/hardware.py`), the matrix-product peak, a `FlopCounterMode` around step 1 (with the FLOP formulas
+# `course/measuring/hardware.py`), the matrix-product peak, a `FlopCounterMode` around step 1 (with the FLOP formulas
 # of the CPU's attention kernel, which torch's counter lacks), and the FLOPs and MFU in the outputs.
 # Lesson 13's GradScaler, fp16, `--overflow-at` and `--compile` are gone: fp32 or bf16 only.
 
@@ -200,7 +200,7 @@ md(f"{params:,} parameters, {tokens} tokens per image, a batch of {batch} per ra
 # ## Peak, utilization, and what DDP's all_reduce costs a step
 
 # %%
-from course.hardware import all_reduce_seconds
+from course.measuring.hardware import all_reduce_seconds
 
 peak, mfu = m["matmul_peak_flops"], m["mfu"]
 step = m["flops_per_step"] / (mfu * peak) if mfu else float("nan")  # seconds per timed step, from the MFU

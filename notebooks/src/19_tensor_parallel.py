@@ -74,7 +74,7 @@ md(f"`qkv`'s {3 * WIDTH} output rows are ordered head by head, so a rank's {3 * 
 # dataset, the same on every rank, and `parallelize_module` per block on a "tp" mesh. `CommDebugMode`
 # replaces `FlopCounterMode` around step 1; `implicit_replication` wraps the gradient clip; the evaluation
 # runs the whole test set on every rank; `get_model_state_dict` gathers the whole weights for model.pt. The
-# report at the end (`course/parallel.py`) counts each rank's pieces.
+# report at the end (`course/measuring/parallel.py`) counts each rank's pieces.
 
 # %%
 show_diff("day4/18_hardware_limits.py", "day4/19_tensor_parallel.py")
@@ -98,7 +98,7 @@ run_lesson("day4/18_hardware_limits.py", *SIZE, *DEVICE, *ARGS, "--run-dir", RUN
 # %%
 import torch
 
-from course.output import load_weights
+from course.training.output import load_weights
 
 LABELS = {"tp": f"tensor parallel, {NPROC} ranks", "one": "one process (lesson 18)"}
 m = {k: read_json(RUN / k / "metrics.json") for k in LABELS}
@@ -136,7 +136,7 @@ md(f"After {m['tp']['steps']} steps the losses differ by at most {gap:.1e} (rela
 # Each rank counts its bytes from its tensors (`p.to_local()` for a DTensor) after training.
 
 # %%
-from course.memory import MB
+from course.measuring.memory import MB
 
 params = sum(p.numel() for p in ViT(7, WIDTH, DEPTH, HEADS).parameters())
 replica = 3 * 4 * params  # parameters, gradients and SGD's momentum in fp32: what one process or a DDP rank holds
@@ -160,7 +160,7 @@ md(f"Each rank holds **{max(b['cut'] / b['cut_whole'] for b in per_rank):.4f}** 
 # ## The collectives, counted and priced
 
 # %%
-from course.hardware import all_reduce_seconds
+from course.measuring.hardware import all_reduce_seconds
 
 comms = m["tp"]["collectives_step_1"]
 show_table([{"phase": phase, "collective": op, "calls in step 1": n, "per block": n / DEPTH}

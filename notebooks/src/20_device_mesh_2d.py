@@ -68,7 +68,7 @@ md(f"Both runs below use a global batch of {GLOBAL}: `--batch-size {GLOBAL // RO
 #
 # A 2-D mesh instead of a 1-D one, the TP plan applied on its "tp" dimension, `fully_shard` per block and
 # on the root (over "dp", or over the whole mesh for HSDP), a sampler over the data-parallel replicas, the
-# gradient clip over two meshes, the node names gathered. The report at the end (`course/parallel.py`)
+# gradient clip over two meshes, the node names gathered. The report at the end (`course/measuring/parallel.py`)
 # counts each rank's pieces, as in lesson 19.
 
 # %%
@@ -97,7 +97,7 @@ run_lesson("day4/18_hardware_limits.py", *SIZE, *DEVICE, *ARGS, "--batch-size", 
 # %%
 import torch
 
-from course.output import load_weights
+from course.training.output import load_weights
 
 LABELS = {"fsdp-tp": f"FSDP2 x TP, {ROWS} x {INNER}", "hsdp": f"HSDP, {ROWS} x {INNER}",
           "one": "one process (lesson 18)"}
@@ -129,7 +129,7 @@ md(f"One process reached test accuracy {m['one']['test_accuracy']:.4f} after {m[
 # ## Where the ranks ran, and what each holds
 
 # %%
-from course.memory import MB
+from course.measuring.memory import MB
 
 for k in ("fsdp-tp", "hsdp"):
     mesh = m[k]["mesh"]

@@ -94,7 +94,7 @@ run_lesson("day4/18_hardware_limits.py", *SIZE, *DEVICE, *ARGS, "--sizes-mib", "
 # %%
 import torch
 
-from course.output import load_weights
+from course.training.output import load_weights
 
 LABELS = {"gpipe": f"GPipe, {P} stages, {M} micro-batches", "1f1b": f"1F1B, {P} stages, {M} micro-batches",
           "one": "one process (lesson 18)"}
@@ -172,7 +172,7 @@ md(f"Rank 0 waits, in both, after its forwards until the first backward comes ba
 # ## What 1F1B saves: memory
 
 # %%
-from course.memory import MB
+from course.measuring.memory import MB
 
 mem = {k: m[k]["memory"] for k in ("gpipe", "1f1b")}
 show_table([{"run": LABELS[k], "rank 0 held before step 3 MB": mem[k]["held_before_bytes"] / MB,

@@ -93,7 +93,7 @@ show_table([{k: m[k] for k in ("steps", "samples_seen", "train_seconds", "sample
 import torch
 
 from course.models import build_model
-from course.output import load_weights
+from course.training.output import load_weights
 from data_tools.datasets import InMemoryMNIST
 
 model = build_model(m["model"], seed=0)

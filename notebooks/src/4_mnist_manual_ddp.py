@@ -76,7 +76,7 @@ run_lesson("day1/2_mnist_training.py", *SIZE, *DEVICE, "--batch-size", NPROC * B
 # %%
 import torch
 
-from course.output import load_weights
+from course.training.output import load_weights
 
 m4, m2 = read_json(RUN / "metrics.json"), read_json(RUN2 / "metrics.json")
 fig, ax = plt.subplots()

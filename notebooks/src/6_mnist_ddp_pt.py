@@ -70,7 +70,7 @@ run_lesson("day1/4_mnist_manual_ddp.py", *SIZE, *DEVICE, "--run-dir", RUN / "les
 # to the last bit on the CPU.
 
 # %%
-from course.output import load_weights
+from course.training.output import load_weights
 
 m6, m4 = read_json(RUN / "metrics.json"), read_json(RUN / "lesson4" / "metrics.json")
 fig, ax = plt.subplots()
@@ -105,7 +105,7 @@ md(f"What DDP gives here: the same training run (largest weight difference {wors
 # much of their time ran while backward was still computing gradients.
 
 # %%
-from course.profiling import comm_summary
+from course.measuring.profiling import comm_summary
 
 PROFILE = ["--quick", "--max-steps", 20] if not FULL_SIZE else []
 overlap = {}

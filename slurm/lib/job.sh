@@ -25,12 +25,12 @@ _job_end() {
 
 # Prints a command, then runs it: the log shows exactly what ran.  A command that runs a lesson (its first
 # argument that is a .py file) first checks that PYTHON has what that lesson needs with those arguments
-# (course/requires.py: packages and torch release): one line and exit 1, before any rank, if not.
+# (course/launching/requires.py: packages and torch release): one line and exit 1, before any rank, if not.
 step() {
     local i
     for ((i = 1; i <= $#; i++)); do
         if [[ "${!i}" == *.py && -f "${!i}" ]]; then
-            "$PYTHON" "$COURSE_REPO/course/requires.py" "${@:i}" || exit 1
+            "$PYTHON" "$COURSE_REPO/course/launching/requires.py" "${@:i}" || exit 1
             break
         fi
     done

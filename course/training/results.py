@@ -8,7 +8,7 @@ over the ranks, and rank 0's metrics.json, model.pt, loss.png and closing line.
 import torch
 import torch.distributed as dist
 
-from course.output import plot_curves, save_weights, write_json
+from course.training.output import plot_curves, save_weights, write_json
 
 
 def mean_over_ranks(losses: list) -> list:
@@ -25,7 +25,7 @@ def write(args, model, losses: list, seconds: float, accuracy: float, test_loss:
     """Rank 0: metrics.json (the run's settings and results, then `extra`), model.pt (unwrapped from DDP),
     loss.png (the mean loss of every step) and one line "W ranks x batch b = global batch W*b; test accuracy".
 
-    `args.lesson`: the lesson's name (course/cli.py sets it); `losses`: mean_over_ranks' list (its length is
+    `args.lesson`: the lesson's name (course/launching/cli.py sets it); `losses`: mean_over_ranks' list (its length is
     the number of steps); `shard`: the samples in one rank's shard per epoch (len(sampler)), which caps the
     samples seen, unless the lesson counted them itself (`samples`: lessons 8 and 11).
     `ranks`: what the line calls the ranks ("W ranks" unless given); `line=False`: no line (lessons 7, 8, 11

@@ -120,8 +120,8 @@ def describe(m: dict, accumulate: int, checkpointing: bool) -> str:
 def check_args(args) -> None:
     """One clear line, before any rank starts, if one optimizer step needs more batches than a rank's shard
     holds (it would never step)."""
-    from course.cli import CourseError
-    from course.memory import world_size_of
+    from course.launching.cli import CourseError
+    from course.measuring.memory import world_size_of
 
     samples = args.train_samples or 60_000  # --quick has set train_samples already (cli.parse)
     world_size = world_size_of(args)

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
-from course.output import write_csv
+from course.training.output import write_csv
 
 COLUMNS = ["date", "host", "world_size", "threads_per_rank", "model", "batch_per_rank", "device", "backend",
            "epochs", "samples", "train_seconds", "samples_per_second", "step_ms", "compute_ms", "comm_ms",
@@ -46,7 +46,7 @@ def add_world_size(p):
     """Lesson 7's world size: a positional argument, as in the original workshop, or --nproc."""
     import argparse
 
-    from course.cli import NprocGiven, positive_int
+    from course.launching.cli import NprocGiven, positive_int
 
     p.add_argument("world_size", nargs="?", type=positive_int, default=None, action=NprocGiven,
                    help="processes to spawn, as in the original workshop's `python 7_mnist_ddp_pt_timing.py "
@@ -59,7 +59,7 @@ def add_world_size(p):
 
 def add_args(p):
     """Lesson 7's options besides lesson 6's: the world size, --sweep, --fresh, --probe-steps."""
-    from course.cli import positive_int
+    from course.launching.cli import positive_int
 
     add_world_size(p)
     p.add_argument("--sweep", action="store_true",
@@ -74,7 +74,7 @@ def add_args(p):
 def world_size_asked(args, parser):
     """The world size asked for on the command line (None if none); a positional and a --nproc that disagree
     are an error, and so is --sweep under a launcher that chose the world size."""
-    from course.launch import detect_launcher
+    from course.launching.environment import detect_launcher
 
     launcher = detect_launcher(args)
     if args.sweep and launcher != "self":

@@ -8,16 +8,16 @@ not a hang.  Which GPU is decided from what the rank sees, not from one Slurm va
 - an srun task that sees fewer GPUs than the step has on its node was bound to them (--gpus-per-task,
   --gpu-bind=single:1 or map_gpu, a site's default binding): its GPUs are numbered from cuda:0, and it takes
   cuda:<local rank % visible>, which is cuda:0 when it sees one.
-course/launch.py finds the ranks and calls these; course/ports.py chooses where rank 0 listens;
-course/supervise.py starts and watches the ranks of `--nproc N`.
+course/launching/launch.py finds the ranks and calls these; course/launching/ports.py chooses where rank 0 listens;
+course/launching/supervise.py starts and watches the ranks of `--nproc N`.
 """
 import os
 
 import torch
 
-from course.cli import CourseError
+from course.launching.cli import CourseError
 
-# (local_world_size, launcher) of the rank this process runs, while course/launch.py runs it: setup_device's
+# (local_world_size, launcher) of the rank this process runs, while course/launching/launch.py runs it: setup_device's
 # callers pass only the local rank.  A process that no launch() started (lesson 2, lesson 9) reads its
 # launcher's variables instead (layout_from_environment).
 _layout = None
@@ -41,7 +41,7 @@ def tasks_on_this_node() -> int:
 
 def layout_from_environment():
     """(local_world_size, launcher) from the launcher's variables, for a rank that no launch() started."""
-    from course.launch import detect_launcher
+    from course.launching.environment import detect_launcher
 
     launcher = detect_launcher()
     if launcher == "torchrun":

@@ -1,6 +1,6 @@
 """What a lesson needs from the Python environment that runs it, checked once before any rank starts.
 
-    python course/requires.py day2/11_mnist_ddp_pt_multinode_streaming.py [the lesson's arguments]
+    python course/launching/requires.py day2/11_mnist_ddp_pt_multinode_streaming.py [the lesson's arguments]
 
 Every lesson calls require(__file__) first, before it imports torch; the launchers run this file once per job.
 Prints nothing and exits 0 when the interpreter has every package the lesson (with these arguments) imports
@@ -96,7 +96,7 @@ def require(lesson_file: str) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        print("usage: python course/requires.py LESSON.py [its arguments]", file=sys.stderr)
+        print("usage: python course/launching/requires.py LESSON.py [its arguments]", file=sys.stderr)
         return 2
     lesson, rest = argv[0], argv[1:]
     missing = problems(lesson, rest)

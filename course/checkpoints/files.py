@@ -53,7 +53,7 @@ def prepare(args, rank: int, launcher: str) -> Path:
     how many times the job has been started again.  Returns the checkpoint directory."""
     import torch
 
-    from course.output import rank_print
+    from course.training.output import rank_print
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -88,7 +88,7 @@ def steps(args, shard: int) -> tuple:
 def after_step(state: dict, loss: float, rank: int, args, per_epoch: int) -> None:
     """Every rank, after a step: one batch further, its loss (the mean over ranks) recorded; rank 0 prints it
     every --log-every steps; then --step-sleep seconds, if given (time to send a signal by hand)."""
-    from course.output import rank_print
+    from course.training.output import rank_print
 
     state["loss_per_step"].append(loss)
     state["step"] += 1
@@ -139,7 +139,7 @@ def save(directory: Path, state: dict, model, optimizer, rng: list, keep: int) -
     into place.  Says where it went and returns the path."""
     import torch
 
-    from course.output import rank_print
+    from course.training.output import rank_print
 
     checkpoint = {**state, "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
                   "optimizer": optimizer.state_dict(), "sampler_seed": state["run"]["seed"],
@@ -175,7 +175,7 @@ def restore(path: Path, saved: dict, model, optimizer, rank: int, state: dict) -
     rank's own RNG streams.  Returns the saved state with this resumption added; rank 0 says where it goes on."""
     import torch
 
-    from course.output import rank_print
+    from course.training.output import rank_print
 
     check_same_run(saved, state["run"], Path(path).parent)  # the same settings, or one line saying which differ
     model.load_state_dict(saved["model"])
@@ -247,7 +247,7 @@ def newest_valid(directory: Path, rank: int = 0, fresh: bool = False):
     `fresh` (--fresh): delete every checkpoint first, and start over."""
     import torch
 
-    from course.output import rank_print
+    from course.training.output import rank_print
 
     if fresh:
         for old in files(directory):
@@ -272,7 +272,7 @@ def newest_valid(directory: Path, rank: int = 0, fresh: bool = False):
 def check_same_run(saved: dict, run: dict, directory: Path) -> None:
     """A checkpoint of another run (other settings) is refused, in one line naming what differs."""
     if saved["run"] != run:
-        from course.cli import CourseError
+        from course.launching.cli import CourseError
 
         differ = ", ".join(f"{k} {saved['run'].get(k)} -> {v}" for k, v in run.items() if saved["run"].get(k) != v)
         raise CourseError(f"the checkpoints in {directory} are of another run ({differ}); resume with "
@@ -281,7 +281,7 @@ def check_same_run(saved: dict, run: dict, directory: Path) -> None:
 
 def lock(directory: Path):
     """Rank 0: hold an exclusive lock on the checkpoint dir while training, or stop with a message."""
-    from course.cli import CourseError
+    from course.launching.cli import CourseError
 
     directory.mkdir(parents=True, exist_ok=True)
     handle = open(directory / ".lock", "a+")
@@ -304,9 +304,9 @@ def report(args, model, state: dict, stopped, path: Path, shard: int, launcher: 
     """Rank 0, once the last checkpoint is on the disk.  Stopped (`stopped`: record_stop's record): one line,
     after which step, which signal reached which rank, the checkpoint, how to go on; the run then ends with
     exit code 0, as a stop on request is no failure.  Done: metrics.json (with the evaluations, stops,
-    resumptions and restarts), model.pt and loss.png (course/results.py), and one line."""
-    from course import results
-    from course.output import rank_print
+    resumptions and restarts), model.pt and loss.png (course/training/results.py), and one line."""
+    from course.training import results
+    from course.training.output import rank_print
 
     if stopped is not None:
         got = ", ".join(f"{name} to rank {r}" for r, name in stopped["signals"].items())
@@ -328,7 +328,7 @@ def report(args, model, state: dict, stopped, path: Path, shard: int, launcher: 
 def add_args(p):
     """Lesson 12's options: when and where checkpoints are written, how many are kept, starting over, and
     its demo aids (the loss every N steps, a sleep after each step to send a signal by hand)."""
-    from course.cli import positive_int
+    from course.launching.cli import positive_int
 
     p.add_argument("--checkpoint-every", type=positive_int, default=100, metavar="STEPS",
                    help="write a checkpoint every this many steps (and always at a stop and at the end)")
@@ -346,7 +346,7 @@ def add_args(p):
 
 def check_dir(args) -> None:
     """Before any rank starts: --step-sleep is not negative and --checkpoint-dir can be written."""
-    from course.cli import CourseError
+    from course.launching.cli import CourseError
 
     if args.step_sleep < 0:
         raise CourseError(f"--step-sleep {args.step_sleep:g}: must be 0 or more seconds")

@@ -14,8 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from course.output import rank_print, write_json
-from course.replicas import identical_on_all_ranks
+from course.training.output import rank_print, write_json
+from course.training.replicas import identical_on_all_ranks
 from data_tools.h5stream import chunk_bounds
 
 

@@ -10,7 +10,7 @@ import csv
 import json
 from pathlib import Path
 
-from course.output import plot_curves, write_csv, write_json
+from course.training.output import plot_curves, write_csv, write_json
 
 LESSON = "day1/8_mnist_ddp_pt_lr.py"
 

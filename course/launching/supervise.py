@@ -5,8 +5,8 @@ SIGTERM and SIGUSR1 sent to the launching process are passed on to them; when on
 stopped and one line says which rank and why; a rank that has done its work but does not exit is ended.
 Inside every rank, however it was started, a failure the user can act on ends it with one line instead of a
 traceback (failures_as_one_line), so its launcher ends the job.
-course/launch.py finds the ranks and starts them; course/devices.py picks each rank's device and backend;
-course/ports.py chooses where rank 0 listens.
+Beside it in course/launching/: launch.py finds the ranks and starts them; devices.py picks each rank's device
+and backend; ports.py chooses where rank 0 listens.
 """
 import gc
 import importlib
@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from course.cli import CourseError
+from course.launching.cli import CourseError
 from data_tools.datasets import DataError
 
 # A SIGTERM (kill, scancel, a time limit) or SIGUSR1 (sbatch --signal) sent to `python lesson.py --nproc N`
@@ -134,7 +134,7 @@ def start_method(packages=("course", "data_tools")) -> str:
     # torch and the course's modules this lesson uses; each rank still runs the lesson file itself (Python
     # 3.11's fork server does not preload __main__), which then finds them imported.
     ours = sorted(name for name in sys.modules if name.split(".")[0] in packages)
-    preload = ["course.gc_paused", "torch", "torch.distributed", *ours]
+    preload = ["course.launching.gc_paused", "torch", "torch.distributed", *ours]
     if "course.models" in sys.modules:  # a lesson that trains: see before_init_process_group
         preload.append("torch._dynamo")
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)

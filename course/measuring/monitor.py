@@ -1,4 +1,4 @@
-"""Watching the hardware: `--watch-hardware` on the training lessons (through course/profiling.py, as --profile).
+"""Watching the hardware: `--watch-hardware` on the training lessons (through profiling.py, as --profile).
 
 Each rank starts a background thread that, every --watch-interval seconds, writes down what its own process
 and its own GPU are doing:
@@ -205,7 +205,7 @@ class Monitor:
         self.summary = self._summarize()
         if self.gpu is not None:
             self.gpu.close()
-        from course.output import rank_print, write_json
+        from course.training.output import rank_print, write_json
 
         write_json(self.json_path, {"rank": self.rank, "world_size": self.world_size, "summary": self.summary,
                                     "samples": self.samples})
@@ -295,7 +295,7 @@ def watching(prof, args, rank: int, device):
     tb_root = Path(getattr(args, "log_dir", None) or args.run_dir) / "hardware"
     if rank == 0:
         remove_other_ranks(monitor_dir, tb_root, world_size)
-    from course.profiling import writable_log_dir
+    from course.training.output import writable_log_dir
 
     writable_log_dir(tb_root / f"rank{rank}")  # or one line naming it
     monitor = Monitor(rank, world_size, device, args.watch_interval, monitor_dir / f"rank{rank}.json",

@@ -81,3 +81,18 @@ def plot_curves(path, curves: dict, xlabel: str, ylabel: str, title: str) -> Pat
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
     return _atomic_write(path, lambda f: f.write(buf.getvalue()))
+
+
+def writable_log_dir(log_dir) -> Path:
+    """Create `log_dir` (before any rank starts), or say in one line why it cannot be."""
+    from course.launching.cli import CourseError
+
+    log_dir = Path(log_dir)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(log_dir, os.W_OK):
+            raise PermissionError("not writable")
+    except OSError as e:
+        raise CourseError(f"log dir {log_dir} cannot be written ({e.strerror or e}); "
+                          "choose another with --log-dir") from None
+    return log_dir

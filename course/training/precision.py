@@ -15,13 +15,13 @@ import warnings
 
 import torch
 
-from course.cli import CourseError
+from course.launching.cli import CourseError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def device_type(args) -> str:
-    """The device type every rank will compute on (course/devices.py's choice, made before any rank starts)."""
+    """The device type every rank will compute on (course/launching/devices.py's choice, before any rank starts)."""
     return "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
@@ -29,7 +29,7 @@ def check_precision(args) -> None:
     """One clear line, before any rank starts, if autocast cannot compute in --precision on this device, or if
     --compile meets a DDP bucket smaller than torch.compile's DDP graph splitting allows."""
     if getattr(args, "overflow_at", None) is not None:  # the rank of the test overflow must be one of the run's
-        from course.launch import world_size
+        from course.launching.environment import world_size
 
         ranks = world_size(args)
         if args.overflow_rank >= ranks:
@@ -42,7 +42,7 @@ def check_precision(args) -> None:
                           f"{first:g} or more")
     device = device_type(args)
     if args.precision == "fp32" or (device == "cuda" and not torch.cuda.is_available()):
-        return  # --device cuda without a GPU: course/devices.py's setup_device says so in its own words
+        return  # --device cuda without a GPU: course/launching/devices.py's setup_device says so in its own words
     if device == "cuda" and args.precision == "bf16":
         return check_native_bf16(args)
     problems = []
@@ -61,9 +61,9 @@ def check_precision(args) -> None:
 
 def rank_gpus(args) -> list:
     """The GPUs (as this process numbers them) that the ranks started from here compute on: those of the ranks
-    `--nproc N` will start, or this rank's own under torchrun and srun (course/devices.py's choice)."""
-    from course.devices import gpu_index, layout_from_environment
-    from course.launch import detect_launcher
+    `--nproc N` will start, or this rank's own under torchrun and srun (course/launching/devices.py's choice)."""
+    from course.launching.devices import gpu_index, layout_from_environment
+    from course.launching.environment import detect_launcher
 
     if detect_launcher(args) == "self":
         return list(range(min(args.nproc, torch.cuda.device_count())))
@@ -96,7 +96,7 @@ def warm_up(model, train_set, args, dtype) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from course.output import rank_print
+    from course.training.output import rank_print
 
     start = time.perf_counter()
     x, y = train_set[list(range(args.batch_size))]

@@ -5,7 +5,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from course.output import save_weights, write_json
+from course.training.output import save_weights, write_json
 
 
 def fingerprint(tensors) -> str:

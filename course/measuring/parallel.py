@@ -10,9 +10,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from course.hardware import all_reduce_seconds, collectives_table, one_rank
-from course.memory import MB, held, nbytes, reshard
-from course.output import rank_print
+from course.measuring.hardware import all_reduce_seconds, collectives_table, one_rank
+from course.measuring.memory import MB, held, nbytes, reshard
+from course.training.output import rank_print
 
 
 # what CommDebugMode calls the process-group collectives FSDP2 issues itself (DTensor's are c10d_functional.*)
@@ -34,7 +34,7 @@ def collectives(counting) -> dict:
 def check_mesh(args, world_size: int) -> None:
     """One clear line, before any rank starts, when --inner does not divide the ranks into rows (lesson 20),
     or the heads do not divide among a row's tensor-parallel ranks."""
-    from course.cli import CourseError
+    from course.launching.cli import CourseError
     from course.models import check_tensor_parallel
 
     if world_size % args.inner:
@@ -111,7 +111,7 @@ def held_by_rank(rank: int, model, optimizer) -> list:
     """What this rank holds: its bytes of parameters, gradients and optimizer state, and of the cut
     parameters its pieces against their whole size (printed with its rank); every rank's, on every rank
     (a collective: all ranks call it).  FSDP2 keeps the root's gathered parameters after evaluation's
-    forward pass: `reshard()` frees them first (course/memory.py, gather), so that the count is the shards."""
+    forward pass: `reshard()` frees them first (course/measuring/memory.py, gather), so that the count is the shards."""
     reshard(model)
     holds = dict(held(model, optimizer), **cut_bytes(model))
     mine, whole = holds["cut"], holds["cut_whole"]
@@ -302,7 +302,7 @@ def whole_model(stages, args, device):
 
 def add_pipeline_args(p, schedules):
     """Lesson 21's flags: the schedule, the micro-batches and the simulated stage time."""
-    from course.cli import non_negative_float, positive_int
+    from course.launching.cli import non_negative_float, positive_int
 
     p.add_argument("--schedule", default="gpipe", choices=sorted(schedules), help="the order of the micro-batches")
     p.add_argument("--microbatches", type=positive_int, default=4, help="micro-batches per batch (m)")

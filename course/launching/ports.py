@@ -2,15 +2,15 @@
 into one line instead of a hang.
 
 Never a fixed port that two users (or two jobs on one node) could both pick: a free port for the ranks this
-process starts itself, a port derived from the job id under srun.  course/launch.py decides which applies;
-course/devices.py picks each rank's device and backend; course/supervise.py starts and watches the ranks of
-`--nproc N`.
+process starts itself, a port derived from the job id under srun.  Beside it in course/launching/: launch.py
+decides which applies; devices.py picks each rank's device and backend; supervise.py starts and watches the
+ranks of `--nproc N`.
 """
 import os
 import socket
 import time
 
-from course.cli import CourseError
+from course.launching.cli import CourseError
 
 
 def free_port() -> int:

@@ -58,8 +58,9 @@ def non_negative_float(text: str) -> float:
 
 
 class NprocGiven(argparse.Action):
-    """--nproc N typed on the command line: also kept as `nproc_given`, for course/launch.py, where an explicit
-    --nproc inside a one-task srun step starts N ranks while the default leaves the step's task one rank."""
+    """--nproc N typed on the command line: also kept as `nproc_given`, for course/launching/environment.py,
+    where an explicit --nproc inside a one-task srun step starts N ranks while the default leaves the step's task
+    one rank."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values)
@@ -72,7 +73,7 @@ def parser(doc: str, lesson: str, *, data=True, outputs=True, nproc_default=None
     """The shared options.  `doc` is the lesson's docstring (its first paragraph is the description)."""
     p = Parser(prog=f"python {lesson}", description=doc.strip().split("\n\n")[0],
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.set_defaults(lesson=Path(lesson).stem)  # the name metrics.json gives the run (course/results.py)
+    p.set_defaults(lesson=Path(lesson).stem)  # the name metrics.json gives the run (course/training/results.py)
     if nproc_default is not None:
         p.add_argument("--nproc", type=positive_int, default=nproc_default, action=NprocGiven,
                        help="processes to spawn when started with plain python, also in a one-task srun step "

@@ -27,7 +27,7 @@ SCHEDULE = {"wait": 1, "warmup": 1, "active": 3}  # lesson 5 explains the three 
 
 def add_profile_args(p):
     """`--profile` and `--log-dir` for lessons that offer profiling as an option (lesson 5 explains it), and
-    `--watch-hardware`, `--watch-interval` (course/monitor.py)."""
+    `--watch-hardware`, `--watch-interval` (course/measuring/monitor.py)."""
     p.add_argument("--profile", action="store_true",
                    help=f"trace training steps {SCHEDULE['wait'] + SCHEDULE['warmup'] + 1}-"
                         f"{sum(SCHEDULE.values())} with torch.profiler (one trace per rank) and write "
@@ -35,26 +35,9 @@ def add_profile_args(p):
     p.add_argument("--log-dir", type=Path, default=None,
                    help="where --profile writes traces and scalars, and --watch-hardware its TensorBoard "
                         "scalars (default: the run dir)")
-    from course.monitor import add_monitor_args
+    from course.measuring.monitor import add_monitor_args
 
-    return add_monitor_args(p)  # --watch-hardware: watching the hardware (course/monitor.py)
-
-
-def writable_log_dir(log_dir) -> Path:
-    """Create `log_dir` (before any rank starts), or say in one line why it cannot be."""
-    import os
-
-    from course.cli import CourseError
-
-    log_dir = Path(log_dir)
-    try:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        if not os.access(log_dir, os.W_OK):
-            raise PermissionError("not writable")
-    except OSError as e:
-        raise CourseError(f"log dir {log_dir} cannot be written ({e.strerror or e}); "
-                          "choose another with --log-dir") from None
-    return log_dir
+    return add_monitor_args(p)  # --watch-hardware: watching the hardware (course/measuring/monitor.py)
 
 
 def clear_previous(log_dir: Path) -> None:
@@ -77,7 +60,7 @@ def view_hint(log_dir, traces="chrome_trace/rank*.json") -> str:
 
 def add_schedule_args(p):
     """Lesson 5's --log-dir and profiler schedule (--wait, --warmup, --active)."""
-    from course.cli import non_negative_int, positive_int
+    from course.launching.cli import non_negative_int, positive_int
 
     p.add_argument("--log-dir", type=Path, default=Path("log_ddp"),
                    help="where every rank writes its trace and rank 0 its TensorBoard scalars")
@@ -94,7 +77,8 @@ def _schedule(args) -> str:
 
 def check_schedule(args) -> None:
     """Before any rank starts: the schedule fits in --max-steps, and the log dir can be written."""
-    from course.cli import CourseError
+    from course.launching.cli import CourseError
+    from course.training.output import writable_log_dir
 
     profiled = args.wait + args.warmup + args.active
     if args.max_steps is not None and args.max_steps < profiled:
@@ -105,7 +89,7 @@ def check_schedule(args) -> None:
 
 def check_first_epoch(args, steps_per_epoch: int) -> None:
     """The profiled window must hold training steps only, not an evaluation: all in the first epoch."""
-    from course.cli import CourseError
+    from course.launching.cli import CourseError
 
     profiled = args.wait + args.warmup + args.active
     first_epoch_steps = min(steps_per_epoch, args.max_steps or math.inf)
@@ -170,7 +154,7 @@ def print_communication(communication: dict, args, world_size: int) -> None:
 
 def print_comparison(rows: dict, args, world_size: int) -> None:
     """--compare: all three variants in one table, and in run_dir/comparison.json."""
-    from course.output import write_json
+    from course.training.output import write_json
 
     write_json(args.run_dir / "comparison.json", rows)
     print(f"\ngradient sync, {world_size} ranks, {args.model}, batch {args.batch_size} per rank: mean "
@@ -251,11 +235,11 @@ def maybe_profile(args, rank: int, device):
     Usage: `prof = maybe_profile(args, rank, device)`, `prof.step(loss, samples)` after each optimizer step,
     `prof.epoch(epoch, accuracy, test_loss)` after each evaluation, `prof.close()` after training.
     `samples` is the global number of samples of the step; it gives samples/s per epoch.
-    With `--watch-hardware` the object also runs course/monitor.py's sampling thread until close().
+    With `--watch-hardware` the object also runs course/measuring/monitor.py's sampling thread until close().
     """
     prof = _profile(args, rank, device)
     if getattr(args, "watch_hardware", False):
-        from course.monitor import watching
+        from course.measuring.monitor import watching
 
         return watching(prof, args, rank, device)
     return prof
@@ -266,6 +250,8 @@ def _profile(args, rank: int, device):
         return _Off()
     log_dir = Path(args.log_dir or args.run_dir)
     if rank == 0:
+        from course.training.output import writable_log_dir
+
         clear_previous(writable_log_dir(log_dir))
     import torch.distributed as dist
 

@@ -257,8 +257,8 @@ class StepPeak:
 def world_size_of(args) -> int:
     """The world size a run will have, known before any rank starts: torchrun's, the srun step's (not the
     job's SLURM_NTASKS: a batch script's own shell or a one-task step with --nproc N starts N ranks), or
-    --nproc (course/launch.py)."""
-    from course.launch import world_size
+    --nproc (course/launching/launch.py)."""
+    from course.launching.environment import world_size
 
     return world_size(args)
 
@@ -305,7 +305,7 @@ def gather(rank: int, model, optimizer, after_forward: dict) -> list:
     backward: `reshard()` on every sharded module frees them first, so that the count is the shards."""
     import torch.distributed as dist
 
-    from course.output import rank_print
+    from course.training.output import rank_print
 
     reshard(model)
     holds = dict(held(model, optimizer), after_forward=after_forward["peak"])
@@ -325,7 +325,7 @@ def add_budget_arg(p, default_mb: float):
 def check_plan(args, model_from_args) -> None:
     """DDP's and FSDP2's bytes per rank from the model's shapes (args.planned), before any rank starts; one
     clear line if even FSDP2 does not fit the budget, or if the model has no blocks to shard."""
-    from course.cli import CourseError
+    from course.launching.cli import CourseError
 
     if args.model != "vit":
         raise CourseError(f"--model {args.model}: lesson 15 shards the ViT block by block (model.blocks); "

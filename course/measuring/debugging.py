@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from course.cli import CourseError, positive_int
+from course.launching.cli import CourseError, positive_int
 
 BUGS = ("none", "skip", "uneven", "shape")
 FR_DIR = "flight_recorder"
@@ -154,7 +154,7 @@ def port(text: str) -> int:
 
 def check_args(args) -> None:
     """Bad input before any rank starts."""
-    from course.launch import world_size
+    from course.launching.environment import world_size
 
     if args.bug != "none" and world_size(args) < 2:  # however launched: --nproc, torchrun or an srun step
         raise CourseError(f"--bug {args.bug} needs at least 2 ranks (--nproc 2): with one rank there is no "

@@ -30,7 +30,7 @@ the lesson; this module is the file plumbing around it:
 DCP's own files carry no checksum, and torch.load verifies none: bytes flipped in place (a failing disk, a
 bad copy) load without a word where they fall in tensor data, and where they fall in a record's header
 they end the run with a traceback from deep inside dcp.load (both seen here with 64 bytes flipped).  The
-digest is SHA-256 (course/checkpoints.py says why: on this machine it costs about what a CRC does, and it
+digest is SHA-256 (course/checkpoints/files.py says why: on this machine it costs about what a CRC does, and it
 is collision resistant).
 """
 import hashlib
@@ -44,7 +44,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-from course.checkpoints import fsync_dir, sha256_of, sidecar, write_digest
+from course.checkpoints.files import fsync_dir, sha256_of, sidecar, write_digest
 
 MARKER = "complete.json"
 FORMAT = "16_distributed_checkpoint/2"  # /2: complete.json records every file's sha256 and its own
@@ -120,7 +120,7 @@ def publish(tmp: Path, info: dict, keep: int, damaged=()) -> Path:
     for p in sorted(tmp.iterdir()):
         if p.is_file() and p.suffix != ".sha256":
             if p.suffix == ".distcp" and not sidecar(p).is_file():
-                raise RuntimeError(f"{p} has no {sidecar(p).name}: it was not written by dcp_checkpoints.Writer")
+                raise RuntimeError(f"{p} has no {sidecar(p).name}: it was not written by the course's Writer")
             digest = sidecar(p).read_text().split()[0] if sidecar(p).is_file() else sha256_of(p)  # .metadata
             files[p.name] = {"bytes": p.stat().st_size, "sha256": digest}
     content = {"format": FORMAT, **info, "files": files}
@@ -200,7 +200,7 @@ def newest(directory: Path, say=print):
 def share_intact(path: Path, info: dict, rank: int, world_size: int, say=None) -> bool:
     """Rank `rank` of `world_size`: its share of the checkpoint's files (every world_size-th, by name) hashed
     and compared with complete.json's digests.  A file that differs is named in one line."""
-    from course.output import rank_print
+    from course.training.output import rank_print
 
     for name in sorted(info["files"])[rank::world_size]:
         if sha256_of(Path(path) / name) != info["files"][name]["sha256"]:
@@ -215,7 +215,7 @@ def require_intact(chosen: list, resume, directory: Path, rank: int) -> None:
     """Every rank, after the verdicts: --resume and no checkpoint intact ends the run, rank 0 saying so."""
     if resume and chosen[0] is None:
         if rank == 0:
-            from course.cli import CourseError
+            from course.launching.cli import CourseError
 
             raise CourseError(f"--resume: no checkpoint in {Path(directory)} is intact (each is named above); "
                               f"remove the damaged ones, or start a new run with another --checkpoint-dir")
@@ -230,7 +230,7 @@ def remove_unfinished(directory: Path) -> None:
 
 def check(args, world_size: int) -> None:
     """Before any rank starts: the checkpoint directory agrees with --resume, the model and the batch."""
-    from course.cli import CourseError
+    from course.launching.cli import CourseError
 
     args.checkpoint_dir = args.checkpoint_dir or args.run_dir / "checkpoints"
     directory, asked = args.checkpoint_dir, args.resume
@@ -294,9 +294,9 @@ def export(args) -> Path:
     included)."""
     import torch.distributed.checkpoint as dcp
 
-    from course.cli import CourseError
+    from course.launching.cli import CourseError
     from course.models import ViT, build_model
-    from course.output import save_weights
+    from course.training.output import save_weights
 
     directory, out = Path(args.checkpoint_dir or args.run_dir / "checkpoints"), args.export
     if not directory.is_dir():
@@ -391,7 +391,7 @@ class Saves:
 
 def add_args(p):
     """Lesson 16's checkpoint flags."""
-    from course.cli import positive_int
+    from course.launching.cli import positive_int
 
     p.add_argument("--checkpoint-every", type=positive_int, default=100, metavar="STEPS",
                    help="save a checkpoint every this many steps (and always at the end)")

@@ -14,23 +14,26 @@ Every launcher ends in the same place: `worker(info, args)` runs once per rank w
 MASTER_PORT in the environment, ready for `dist.init_process_group(...)`, which each lesson calls itself.
 Lesson 0 explains processes and ranks; lesson 9 reads the Slurm variables by hand.
 
-Beside this file: course/devices.py (each rank's device and backend: set_device, nccl or gloo, more ranks
-than GPUs), course/ports.py (which MASTER_PORT, and the checks on MASTER_ADDR and MASTER_PORT),
-course/supervise.py (starting, watching and ending the ranks of --nproc N; a failing rank as one line).
+Beside this file in course/launching/: environment.py (which launcher started us, its variables checked),
+devices.py (each rank's device and backend: set_device, nccl or gloo, more ranks than GPUs), ports.py (which
+MASTER_PORT, and the checks on MASTER_ADDR and MASTER_PORT), supervise.py (starting, watching and ending the
+ranks of --nproc N; a failing rank as one line).
 """
 import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from course.cli import CourseError
+from course.launching.cli import CourseError
+# detect_launcher and world_size (environment.py) are imported from here by lessons and modules alike
+from course.launching.environment import check_launch_environment, detect_launcher, nproc_asked, world_size  # noqa: F401
 # backend_for, setup_device and gpu_index are imported from here by the lessons: one import line for the
 # launch model
-from course.devices import backend_for, check_enough_gpus, gpu_index, setup_device, share_cpu_cores, \
+from course.launching.devices import backend_for, check_enough_gpus, gpu_index, setup_device, share_cpu_cores, \
     tasks_on_this_node, use_layout  # noqa: F401
-from course.ports import check_master_addr_is_here, check_port_is_free, free_port, slurm_master_port, \
+from course.launching.ports import check_master_addr_is_here, check_port_is_free, free_port, slurm_master_port, \
     wait_for_rank0
-from course.supervise import before_init_process_group, failures_as_one_line, run_ranks
+from course.launching.supervise import before_init_process_group, failures_as_one_line, run_ranks
 
 
 @dataclass(frozen=True)
@@ -41,75 +44,6 @@ class RankInfo:
     local_world_size: int  # ranks on this node: divides the CPU cores
     node_rank: int
     launcher: str          # "self", "torchrun" or "srun"
-
-
-def nproc_asked(args):
-    """The --nproc (or lesson 7's world size) typed on the command line, None when the default stands."""
-    return getattr(args, "nproc_given", None)
-
-
-# The variables a launcher sets for each rank, and what each may hold: (the launcher, least value, "below" another
-# variable's value or None).  A rank reads them with int(); a wrong one would be a traceback on every rank, or
-# a rank waiting for peers that never come.
-LAUNCH_VARIABLES = {  # the sizes first: a rank's range is read from them
-    "WORLD_SIZE": ("torchrun", 1, None), "SLURM_STEP_NUM_TASKS": ("srun", 1, None),
-    "RANK": ("torchrun", 0, "WORLD_SIZE"), "LOCAL_RANK": ("torchrun", 0, None),
-    "LOCAL_WORLD_SIZE": ("torchrun", 1, None), "GROUP_RANK": ("torchrun", 0, None),
-    "SLURM_PROCID": ("srun", 0, "SLURM_STEP_NUM_TASKS"),
-    "SLURM_LOCALID": ("srun", 0, None), "SLURM_NODEID": ("srun", 0, None), "SLURM_JOB_ID": ("Slurm", 0, None),
-    "MASTER_PORT": ("the launcher, or you", 0, None), "OMP_NUM_THREADS": ("you or the launcher", 1, None),
-}
-
-
-def check_launch_environment() -> None:
-    """Before any rank starts: every launch variable that is set holds a whole number in its range (MASTER_PORT
-    a port, MASTER_ADDR a name), or one line naming it, its value and who sets it."""
-    env = os.environ
-    for name, (setter, least, below) in LAUNCH_VARIABLES.items():
-        if name not in env:
-            continue
-        value = env[name].strip()
-        limit = env.get(below, "").strip() if below else ""
-        highest = int(limit) - 1 if limit.isdigit() else (65_535 if name == "MASTER_PORT" else None)
-        ok = value.isdigit() and int(value) >= least and (highest is None or int(value) <= highest)
-        if not ok:
-            allowed = f"a whole number from {least}" + (f" to {highest}" if highest is not None else "")
-            raise CourseError(f"{name}={env[name]!r} is not {allowed} (set by {setter}); unset it, or start "
-                              f"the lesson with the launcher that sets it")
-    if "MASTER_ADDR" in env and not env["MASTER_ADDR"].strip():
-        raise CourseError("MASTER_ADDR is set but empty: give rank 0's hostname, or unset it")
-
-
-def detect_launcher(args=None) -> str:
-    """"torchrun", "srun" or "self".  With the lesson's `args`, an explicit --nproc inside a one-task srun step
-    is "self"; inside a step of several tasks it must agree with their number."""
-    check_launch_environment()
-    if all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
-        return "torchrun"
-    # SLURM_STEP_NUM_TASKS exists only inside an srun step, not in a batch script's own shell, where a
-    # plain `python lesson.py` must spawn its workers itself instead of waiting for peers that never come.
-    if "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:
-        asked, tasks = nproc_asked(args), int(os.environ["SLURM_STEP_NUM_TASKS"])
-        if asked is None or asked == tasks:
-            return "srun"
-        if tasks == 1:
-            return "self"
-        if int(os.environ["SLURM_PROCID"]) != 0:
-            raise SystemExit(1)  # task 0 says why, once
-        raise CourseError(f"--nproc {asked} inside a Slurm step of {tasks} tasks: srun has started {tasks} "
-                          f"ranks already; leave out --nproc (srun's tasks are the ranks), or start one task "
-                          f"(srun --ntasks=1 ... --nproc {asked}) to have the lesson start {asked} ranks itself")
-    return "self"
-
-
-def world_size(args) -> int:
-    """The world size a run will have, known before any rank starts: torchrun's, the srun step's, or --nproc."""
-    launcher = detect_launcher(args)
-    if launcher == "torchrun":
-        return int(os.environ["WORLD_SIZE"])
-    if launcher == "srun":
-        return int(os.environ["SLURM_STEP_NUM_TASKS"])
-    return args.nproc
 
 
 def how_to_launch(lesson: str, lesson_args: str = "") -> str:
@@ -196,4 +130,4 @@ def launch(worker, args, nproc: int = None) -> None:
         if nproc == 1:
             _run(worker, RankInfo(0, 0, 1, 1, 0, "self"), args)
         else:
-            run_ranks(_self_launched_rank, nproc, (worker, nproc, args))  # forked, watched: course/supervise.py
+            run_ranks(_self_launched_rank, nproc, (worker, nproc, args))  # forked, watched: supervise.py
