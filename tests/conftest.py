@@ -197,7 +197,32 @@ def pytest_collection_modifyitems(items):
 
 
 _seconds_per_file = {}
+_cpu_per_file = {}
 _notebooks = {}  # "executed" or "unchanged": how tests/test_notebooks.py checked each notebook
+_CPU_AT_START = pytest.StashKey[float]()
+
+
+def _cpu_so_far() -> float:
+    """CPU seconds of this worker, of its children that ended (subprocess.run, Popen: fresh interpreters with
+    whatever they waited for), and of the commands its zygote ran.  Not counted: the test Slurm's jobs (the
+    processes of slurmd, not of this worker), and a zygote command still running when a test ends."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    zygote = _zygote.cpu_seconds if _zygote is not None else 0.0
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + zygote
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_AT_START] = _cpu_so_far()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "teardown" and _CPU_AT_START in item.stash:  # the test's setup, call and teardown
+        outcome.get_result().user_properties.append(("cpu", _cpu_so_far() - item.stash[_CPU_AT_START]))
 
 
 def pytest_runtest_logreport(report):
@@ -208,6 +233,8 @@ def pytest_runtest_logreport(report):
     for key, value in report.user_properties:
         if key == "notebook" and report.when == "call":
             _notebooks[value] = _notebooks.get(value, 0) + 1
+        if key == "cpu":
+            _cpu_per_file[path] = _cpu_per_file.get(path, 0.0) + value
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -219,6 +246,12 @@ def pytest_terminal_summary(terminalreporter, config):
     for path, seconds in sorted(_seconds_per_file.items(), key=lambda kv: -kv[1])[:15]:
         terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:4.1f} %  {path}")
     terminalreporter.write_line(f"{total:8.1f} s  in all, {len(_seconds_per_file)} files")
+    if _cpu_per_file:  # what the 2 cores spent on each file: the suite is CPU-bound
+        total = sum(_cpu_per_file.values())
+        terminalreporter.section("CPU-seconds per test file (its processes; not the test Slurm's jobs)")
+        for path, seconds in sorted(_cpu_per_file.items(), key=lambda kv: -kv[1])[:15]:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:4.1f} %  {path}")
+        terminalreporter.write_line(f"{total:8.1f} s  in all, {len(_cpu_per_file)} files")
     if _notebooks:
         terminalreporter.write_line(
             f"notebooks: {_notebooks.get('executed', 0)} executed; {_notebooks.get('unchanged', 0)} unchanged since "

@@ -40,6 +40,7 @@ class Zygote:
     def __init__(self, python: str, workdir: str, env: dict):
         self.path = os.path.join(workdir, f"zygote-{os.getpid()}.sock")
         self.env = dict(env)
+        self.cpu_seconds = 0.0  # of every command it ran to its end (the user and system time of each)
         self.proc = subprocess.Popen([python, __file__, self.path], stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)
         deadline = time.monotonic() + 120
@@ -80,7 +81,9 @@ class Zygote:
             conn.settimeout(timeout)
             pid = int(_read_line(lines))
             conn.settimeout(max(0.01, deadline - time.monotonic()))
-            code = int(_read_line(lines))
+            code, cpu = _read_line(lines).split()
+            code = int(code)
+            self.cpu_seconds += float(cpu)
         except (socket.timeout, TimeoutError):
             if pid is not None:
                 try:
@@ -150,8 +153,8 @@ def _serve(path: str):
                 for fd in fds:
                     os.close(fd)
                 conn.sendall(f"{pid}\n".encode())
-                _, status = os.waitpid(pid, 0)
-                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                _, status, usage = os.wait4(pid, 0)  # its CPU time, with that of the ranks it waited for
+                conn.sendall(f"{os.waitstatus_to_exitcode(status)} {usage.ru_utime + usage.ru_stime:.3f}\n".encode())
             finally:  # the client may have gone (its timeout): the watcher ends here in every case
                 os._exit(0)
         conn.close()
