@@ -114,9 +114,9 @@ assert m["replicas_identical"] and m["per_epoch"][0]["seen_once"] == n_samples
 #
 # Solutions, with the commands and what they print: [`solutions/11_mnist_ddp_pt_multinode_streaming.md`](../solutions/11_mnist_ddp_pt_multinode_streaming.md).
 #
-# 1. `--workers 2` (DataLoader worker processes read the file instead of each rank's main process). You
-#    should see the same samples trained on, each once per epoch (`seen_once` = all samples), and a
-#    different `time waiting for data` per rank.
+# 1. `--workers 2`: two DataLoader worker processes per rank read chunks ahead, instead of the default one
+#    (`--workers 0` reads in the rank itself). You should see the same samples trained on, each once per
+#    epoch (`seen_once` = all samples), and a different `time waiting for data` per rank.
 # 2. A file written with `--chunk-samples 100`, then lesson 11 with `--h5-file` pointing at it. You should
 #    see 128 chunks in epoch 0 instead of 13, still each sample exactly once.
 # 3. `--source memory`: the same chunks in the same order, from memory. You should see the same losses and

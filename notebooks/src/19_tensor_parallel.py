@@ -210,4 +210,5 @@ md(f"Step 1 issued {sum(comms.get('forward', {}).values())} all_reduces in forwa
 #    the bytes (0.262 MB against 0.066 MB), while DDP's gradient all_reduce (lesson 18's line) stays 0.078
 #    MB per step at any batch.
 #
-# Back to the [course map](../README.md#course-map).
+# Next: [lesson 20](20_device_mesh_2d.ipynb): two dimensions, FSDP2 across the rows of a mesh and tensor parallelism
+# inside each row; and HSDP.

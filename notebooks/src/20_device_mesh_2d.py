@@ -187,4 +187,4 @@ md(f"With {DEPTH} blocks: FSDP2 gathers each block and the root (embedding, posi
 #    19's exercise 3): the same global batch of 128, the same test loss, weights equal within float32
 #    rounding; HSDP's step 1 adds one all_reduce per unit, between the rows.
 #
-# Back to the [course map](../README.md#course-map).
+# Next: [lesson 21](21_pipeline_parallel.ipynb): pipeline parallelism, the model cut into stages, one per rank.

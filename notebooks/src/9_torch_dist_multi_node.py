@@ -76,7 +76,7 @@ print(result.stdout.replace(str(REPO) + "/", "").replace(str(REPO), "."))
 # ## Run it: two nodes on this machine
 #
 # Two `torchrun` agents, each started with `--nnodes=2 --node_rank=<0|1> --master_addr=127.0.0.1
-# --master_port=<free port> --nproc_per_node=2`, exactly the commands in the script's docstring. Each line
+# --master_port=<free port> --nproc_per_node=2`, the commands of the script's docstring with a free port. Each line
 # of output says which agent (pretend node) printed it.
 
 # %%
