@@ -1,9 +1,9 @@
 """course/ is grouped by what its modules are for (course/__init__.py), and its imports go one way: no module
 imports, at any depth of its code (lazy imports inside functions count), one that imports it back."""
-import ast
 from pathlib import Path
 
 from conftest import REPO
+from test_requires import imports_of
 
 COURSE = REPO / "course"
 # what each part of course/ may import of the rest (course/__init__.py says the same in words)
@@ -21,24 +21,10 @@ def module_name(path: Path) -> str:
     return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
 
 
-def course_imports(path: Path) -> set:
-    """The course modules `path` imports: `from course.training import output` names course.training.output."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-            names += [f"{node.module}.{a.name}" for a in node.names
-                      if REPO.joinpath(*node.module.split("."), f"{a.name}.py").is_file()]
-        found |= {n for n in names if n.split(".")[0] == "course" and n != "course"
-                  and (REPO.joinpath(*n.split(".")).with_suffix(".py").is_file())}
-    return found
-
-
 def graph() -> dict:
-    return {module_name(p): course_imports(p) for p in COURSE.rglob("*.py") if p.name != "__init__.py"}
+    """{module: the course modules it imports}, read by tests/test_requires.py's imports_of."""
+    return {module_name(p): {module_name(f) for f in imports_of(p)[1] if f.is_relative_to(COURSE) and f.is_file()}
+            for p in COURSE.rglob("*.py") if p.name != "__init__.py"}
 
 
 def part(module: str) -> str:
