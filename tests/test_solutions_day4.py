@@ -96,7 +96,7 @@ def test_18_2_four_ranks_send_more_per_rank_and_busbw_counts_it(ran):
 
 @solution("18_hardware_limits", 3)
 @pytest.mark.slow
-def test_18_3_a_wider_model_does_more_flops_at_a_higher_rate(ran):
+def test_18_3_a_wider_model_does_more_flops_and_uses_the_core_better(ran):
     wide, narrow = commands("18_hardware_limits", 3)
     assert narrow == commands("18_hardware_limits", 1)[0]  # exercise 1's run
     out_wide, out_narrow = ran(wide).stdout, ran(narrow).stdout
@@ -110,7 +110,10 @@ def test_18_3_a_wider_model_does_more_flops_at_a_higher_rate(ran):
     assert f"{mw['flops_per_step'] / mn['flops_per_step']:.2f}" == "3.65"
     reached = {name: m["mfu"] * m["matmul_peak_flops"] / 1e9 for name, m in (("wide", mw), ("narrow", mn))}
     print(f"GFLOP/s reached: {reached}; MFU {mw['mfu']:.3f} and {mn['mfu']:.3f}")
-    assert reached["wide"] > reached["narrow"], reached  # measured 9.0 against 5.0
+    # Each run's MFU is against the peak measured in the same run, a few seconds before its steps: the suite's
+    # load slows both.  The GFLOP/s reached, compared across the two runs, turned once (2.55 against 2.78
+    # GFLOP/s, MFU 0.151 against 0.088): the other tests' load moved between the runs.
+    assert mw["mfu"] > mn["mfu"], (reached, mw["mfu"], mn["mfu"])  # measured 0.269 against 0.101 alone
 
 
 # ------------------------------------------------------------------------------------------ lesson 19
