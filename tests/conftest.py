@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -57,16 +58,24 @@ def _the_zygote():
 
 def run(cmd, *, timeout=300, check=True, env=None, cwd=REPO) -> subprocess.CompletedProcess:
     """Run a command, capture its output, and on an unexpected exit code show all of it.  env: variables to
-    set on top of this process's, a value of None removes one.  `python SCRIPT ...` is forked from this
-    worker's zygote, which has imported torch already (tests/zygote.py says when, and why it is the same)."""
+    set on top of this process's, a value of None removes one.  `python SCRIPT ...` and torchrun (its agent
+    and workers) are forked from this worker's zygote, which has imported torch already (tests/zygote.py says
+    when, and why it is the same).  COURSE_RUN_LOG=FILE appends a JSON line per command: the test, the
+    command, its CPU and wall seconds."""
     cmd, merged = [str(c) for c in cmd], environ(env)
     zygote = _the_zygote() if cmd[0] == PYTHON else None
+    cpu_before, wall_before = _cpu_so_far(), time.monotonic()
     if zygote is not None and zygote.serves(cmd, merged, PYTHON):
         if "tests.ran_on" in sys.modules:  # no Popen for its audit hook to see
             sys.modules["tests.ran_on"].note(cmd, merged)
         proc = zygote.run(cmd, merged, cwd, timeout)
     else:
         proc = subprocess.run(cmd, cwd=cwd, env=merged, capture_output=True, text=True, timeout=timeout)
+    if os.environ.get("COURSE_RUN_LOG"):  # one JSON line per command: which test, its CPU and wall seconds
+        with open(os.environ["COURSE_RUN_LOG"], "a") as log:
+            log.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "cmd": cmd[1:],
+                                  "cpu": round(_cpu_so_far() - cpu_before, 2),
+                                  "wall": round(time.monotonic() - wall_before, 2)}) + "\n")
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n"
                              f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
@@ -198,6 +207,7 @@ def pytest_collection_modifyitems(items):
 
 _seconds_per_file = {}
 _cpu_per_file = {}
+_cpu_per_test = {}
 _notebooks = {}  # "executed" or "unchanged": how tests/test_notebooks.py checked each notebook
 _CPU_AT_START = pytest.StashKey[float]()
 
@@ -235,6 +245,7 @@ def pytest_runtest_logreport(report):
             _notebooks[value] = _notebooks.get(value, 0) + 1
         if key == "cpu":
             _cpu_per_file[path] = _cpu_per_file.get(path, 0.0) + value
+            _cpu_per_test[report.nodeid] = value
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -252,6 +263,9 @@ def pytest_terminal_summary(terminalreporter, config):
         for path, seconds in sorted(_cpu_per_file.items(), key=lambda kv: -kv[1])[:15]:
             terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:4.1f} %  {path}")
         terminalreporter.write_line(f"{total:8.1f} s  in all, {len(_cpu_per_file)} files")
+        terminalreporter.section("most CPU-seconds per test (setup, call and teardown)")
+        for nodeid, seconds in sorted(_cpu_per_test.items(), key=lambda kv: -kv[1])[:25]:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
     if _notebooks:
         terminalreporter.write_line(
             f"notebooks: {_notebooks.get('executed', 0)} executed; {_notebooks.get('unchanged', 0)} unchanged since "
