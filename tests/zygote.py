@@ -14,8 +14,7 @@ tests/test_launch.py).
 After its imports the server freezes its objects (gc.freeze): a child's garbage collections never walk the
 hundreds of thousands of objects torch made while importing, nor touch (and so copy) the pages that hold
 them.  Measured here: lesson 0 under its own launcher, its forked ranks included, 0.8 instead of 2.5
-CPU-seconds; a torchrun worker of lesson 0 0.65
-instead of 2.0.
+CPU-seconds; a torchrun worker of lesson 0 0.65 instead of 2.0.
 
 `python -m torch.distributed.run ...` is served too: the agent is a child like any other, and each worker it
 starts (torchrun's SubprocessHandler, `python -u SCRIPT args` in a new session) is forked here instead of
