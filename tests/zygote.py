@@ -22,6 +22,10 @@ from a fresh interpreter, when its environment differs from the agent's only in 
 (RANK, MASTER_PORT, TORCHELASTIC_*, ...).  The rest is torchrun's own: the rendezvous, the store, the
 monitoring of the workers (their pid, poll, wait) and the signals to their sessions.
 
+What a child cannot have of a fresh interpreter: its own string-hash seed (every child shares the server's,
+so sets of strings iterate in the same order in every rank), sys.orig_argv and sys.flags (the server's), and
+for a torchrun worker its parent (the server's watcher, not the agent).  No lesson depends on them.
+
 conftest.run() sends a command here only when nothing that is read while torch, matplotlib or Python start
 up differs from the server's own environment (see _DIFFERENCES_THAT_BYPASS); every other command, and every
 test that watches processes, starts a fresh interpreter as before.  COURSE_TEST_ZYGOTE=0 turns it off.
@@ -121,8 +125,15 @@ class Zygote:
                 with open(cpu_file) as f:
                     self.cpu_seconds += sum(float(line) for line in f if line.strip())
                 os.unlink(cpu_file)
-        for t in readers:
-            t.join()
+        for t in readers:  # a process left holding the streams (a grandchild) must not hold the test past its time
+            t.join(max(1.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in readers):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            raise subprocess.TimeoutExpired(cmd, timeout, output=b"".join(chunks[out_r]),
+                                            stderr=b"".join(chunks[err_r]))
         decode = lambda b: b"".join(b).decode(errors="replace")  # noqa: E731
         return subprocess.CompletedProcess(cmd, code, decode(chunks[out_r]), decode(chunks[err_r]))
 
@@ -179,7 +190,16 @@ def _fork_torchrun_workers(server: str, cpu_file):
             return _Worker(server, [args[0], *args[2:]], env, cpu_file)
         return original(handler, args, env)
 
+    def close(handler, death_sig=None):
+        try:
+            original_close(handler, death_sig)
+        except ProcessLookupError:  # its watcher reaped it first: a Popen's zombie would still have its group
+            if not isinstance(handler.proc, _Worker):
+                raise
+
+    original_close = subprocess_handler.SubprocessHandler.close
     subprocess_handler.SubprocessHandler._popen = _popen
+    subprocess_handler.SubprocessHandler.close = close
 
 
 class _Worker:
@@ -195,6 +215,8 @@ class _Worker:
         socket.send_fds(self._conn, [struct.pack("!I", len(request)) + request], [0, 1, 2])
         self._line(None)
         line, self._buf = self._buf.split(b"\n", 1)
+        if line == b"1 0":
+            raise ConnectionError("the test zygote did not start torchrun's worker")
         self.pid = int(line)
 
     def _line(self, timeout) -> bool:
@@ -284,7 +306,11 @@ def _become(request: dict, fds: list):
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    for sig, disposition in _AT_START.items():  # what a fresh interpreter started by the same parent has
+    at_start = dict(_AT_START)
+    if request.get("worker_of"):  # torchrun's agent handles these: an exec'ed worker starts with the defaults
+        at_start.update({signal.SIGTERM: signal.SIG_DFL, signal.SIGHUP: signal.SIG_DFL,
+                         signal.SIGQUIT: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler})
+    for sig, disposition in at_start.items():  # what a fresh interpreter started by the same parent has
         try:
             signal.signal(sig, disposition)
         except (OSError, ValueError, TypeError):
