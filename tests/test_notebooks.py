@@ -223,12 +223,13 @@ def execute(nb, timeout=CELL_TIMEOUT):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", notebook_names())
 def test_notebook_executes_headless(name, dataset, request):
-    """Executed here, with fresh outputs, whenever any file that can change its outputs changed since its
+    """Executed here, with fresh outputs, whenever anything that can change its outputs changed since its
     committed run (build_notebooks.inputs(): the notebook, the scripts it names, everything of course/ and
-    data_tools/ they import, the requirements and the pinned torch of constraints.txt).  A notebook whose
-    inputs are byte for byte those of its committed run is not executed again: its committed outputs are a run
-    of exactly this code, made by build_notebooks.py with the same nbclient, and they are checked instead.
-    COURSE_EXECUTE_NOTEBOOKS=all executes every notebook.  The run's last lines count both kinds."""
+    data_tools/ they import, the parts of nbhelpers.py its cells use, the requirements and the pinned torch
+    of constraints.txt).  A notebook whose inputs are byte for byte those of its committed run is not
+    executed again: its committed outputs are a run of exactly this code, made by build_notebooks.py with
+    the same nbclient, and they are checked instead.  COURSE_EXECUTE_NOTEBOOKS=all executes every notebook.
+    The run's last lines count both kinds."""
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
     unchanged = build_notebooks.recorded_sha256(nb) == build_notebooks.inputs_sha256(name)
     if unchanged and os.environ.get("COURSE_EXECUTE_NOTEBOOKS") != "all":
@@ -247,32 +248,113 @@ def test_notebook_executes_headless(name, dataset, request):
     assert f"{lessons()[name]}" in printed, "the lesson ran (its command is printed)"
 
 
-def test_the_inputs_digest_changes_with_any_file_a_notebook_depends_on(tmp_path, monkeypatch):
-    """A copy of the repository: changing a module the notebook's lesson imports, one its launcher preloads by
-    name (course/launching/gc_paused.py), the requirements or the pinned torch (constraints.txt) changes the digest; a
-    README does not."""
+def _repository_copy(tmp_path, monkeypatch):
+    """The repository's code (no notebook) in tmp_path, with build_notebooks pointed at it."""
     import shutil
 
-    for part in ("course", "data_tools", "day1", "day2", "day3", "day4", "slurm", "notebooks"):
+    for part in ("course", "data_tools", "day1", "day2", "day3", "day4", "slurm", "scripts", "notebooks"):
         shutil.copytree(REPO / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__", "*.ipynb"))
     for req in [*REPO.glob("requirements*.txt"), REPO / "constraints.txt"]:
         shutil.copy(req, tmp_path)
     monkeypatch.setattr(build_notebooks, "REPO", tmp_path)
     monkeypatch.setattr(build_notebooks, "HERE", tmp_path / "notebooks")
     monkeypatch.setattr(build_notebooks, "SRC", tmp_path / "notebooks" / "src")
+    return tmp_path
+
+
+def _edit(path, old, new):
+    text = path.read_text()
+    assert text.count(old) == 1, f"{old!r} once in {path}"
+    path.write_text(text.replace(old, new))
+
+
+def test_the_inputs_digest_changes_with_any_file_a_notebook_depends_on(tmp_path, monkeypatch):
+    """A copy of the repository: changing the notebook's source, its lesson, a module the lesson imports, one its
+    launcher preloads by name (course/launching/gc_paused.py: lesson 6 imports the launcher that names it,
+    although this notebook's torchrun runs never start that fork server; a digest follows whole modules),
+    the requirements or the pinned torch (constraints.txt) changes the digest; a README does not, nor a lesson
+    only nbhelpers.py's docstring names (lesson 9: before, every notebook depended on it and on all it
+    imports)."""
+    repo = _repository_copy(tmp_path, monkeypatch)
     name = "6_mnist_ddp_pt"
-    names = {p.relative_to(tmp_path).as_posix() for p in build_notebooks.inputs(name)}
-    assert {"day1/6_mnist_ddp_pt.py", "course/models.py", "course/launching/gc_paused.py", "data_tools/datasets.py",
-            "notebooks/nbhelpers.py", "notebooks/src/6_mnist_ddp_pt.py", "requirements.txt",
-            "constraints.txt"} <= names
+    names = set(build_notebooks.inputs(name))
+    assert {"day1/6_mnist_ddp_pt.py", "day1/4_mnist_manual_ddp.py", "course/models.py",
+            "course/launching/gc_paused.py", "data_tools/datasets.py", "notebooks/nbhelpers.py:run_lesson",
+            "notebooks/src/6_mnist_ddp_pt.py", "requirements.txt", "constraints.txt"} <= names
+    assert not {"notebooks/nbhelpers.py", "day2/9_torch_dist_multi_node.py", "day1/0_torch_dist.py",
+                "day1/7_mnist_ddp_pt_timing.py", "course/measuring/timing.py", "slurm/submit.sh"} & names
     before = build_notebooks.inputs_sha256(name)
-    (tmp_path / "README.md").write_text("changed")
-    assert build_notebooks.inputs_sha256(name) == before
-    for changed in ("course/models.py", "course/launching/gc_paused.py", "requirements.txt", "constraints.txt"):
-        with open(tmp_path / changed, "a") as f:
+    for unchanged in ("README.md", "day2/9_torch_dist_multi_node.py", "course/measuring/timing.py"):
+        with open(repo / unchanged, "a") as f:
+            f.write("\n# changed\n")
+        assert build_notebooks.inputs_sha256(name) == before, unchanged
+    for changed in ("notebooks/src/6_mnist_ddp_pt.py", "day1/6_mnist_ddp_pt.py", "course/models.py",
+                    "course/launching/gc_paused.py", "requirements.txt", "constraints.txt"):
+        with open(repo / changed, "a") as f:
             f.write("\n# changed\n")
         assert build_notebooks.inputs_sha256(name) != before, changed
         before = build_notebooks.inputs_sha256(name)
+
+
+def test_the_inputs_digest_follows_only_the_helpers_a_notebook_uses(tmp_path, monkeypatch):
+    """Of notebooks/nbhelpers.py a notebook's digest covers what its cells use: a helper it does not call
+    (draw_allreduce), a new helper, do not change it; one it calls (draw_buckets), one those call in turn
+    (run_lesson -> _stream -> is_noise), the plotting setup every import runs, and taking a used name out of
+    __all__ do.  The course modules a used helper imports are inputs, those of the others are not."""
+    repo = _repository_copy(tmp_path, monkeypatch)
+    helpers, name = repo / "notebooks" / "nbhelpers.py", "6_mnist_ddp_pt"
+    before = build_notebooks.inputs_sha256(name)
+    _edit(helpers, "figsize=(1.9 * n + 1.5, 3.2)", "figsize=(1.9 * n + 1.6, 3.2)")  # in draw_allreduce
+    assert build_notebooks.inputs_sha256(name) == before, "a helper the notebook does not call"
+    _edit(helpers, '"plot_trace"]', '"plot_trace", "new_helper"]')
+    with open(helpers, "a") as f:
+        f.write("\n\ndef new_helper():\n    return 1\n")
+    assert build_notebooks.inputs_sha256(name) == before, "a new helper"
+    for old, new, what in (
+            ("bucket_cap=None, names=None", "bucket_cap=0, names=None", "draw_buckets, which it calls"),
+            ("for p in NOISE)", "for p in NOISE[:])", "is_noise, which run_lesson calls through _stream"),
+            ('"figure.dpi": 80', '"figure.dpi": 81', "the plotting setup of every import"),
+            ('"draw_buckets",', "", "draw_buckets taken out of __all__")):
+        _edit(helpers, old, new)
+        assert build_notebooks.inputs_sha256(name) != before, what
+        before = build_notebooks.inputs_sha256(name)
+
+    src = repo / "notebooks" / "src"
+    (src / "traces.py").write_text("# %%\nfrom nbhelpers import *\n\n# %%\nplot_trace(['a.json'])\n")
+    (src / "buckets.py").write_text("# %%\nfrom nbhelpers import *\n\n# %%\nddp_buckets('mlp')\n")
+    traces, buckets = set(build_notebooks.inputs("traces")), set(build_notebooks.inputs("buckets"))
+    assert "course/measuring/profiling.py" in traces - buckets, "plot_trace imports it inside its body"
+    assert "course/models.py" in buckets - traces, "ddp_buckets runs code that imports it (python -c)"
+    assert "notebooks/nbhelpers.py:plot_trace" in traces - buckets
+    assert not {"course/launching/launch.py", "notebooks/nbhelpers.py:run_lesson"} & (traces | buckets)
+    before = build_notebooks.inputs_sha256("traces")
+    with open(repo / "course" / "models.py", "a") as f:
+        f.write("\n# changed\n")
+    assert build_notebooks.inputs_sha256("traces") == before, "a module only an unused helper imports"
+    with open(repo / "course" / "measuring" / "profiling.py", "a") as f:
+        f.write("\n# changed\n")
+    assert build_notebooks.inputs_sha256("traces") != before, "the module plot_trace imports"
+
+
+def test_restamping_changes_only_the_digest_and_refuses_a_stale_notebook(tmp_path, monkeypatch):
+    """`build_notebooks.py --restamp PREVIOUS` after a change of the digest's rule: a notebook whose recorded
+    digest is what the previous rule computes now gets the new digest, its file otherwise byte for byte the
+    same; one whose code changed since its run (stale under the previous rule) is refused and left alone."""
+    _repository_copy(tmp_path, monkeypatch)
+    current, stale, old = "6_mnist_ddp_pt", "7_mnist_ddp_pt_timing", "f" * 64  # old: as the previous rule stamped
+    original = {}
+    for name in (current, stale):
+        text = (NOTEBOOKS / f"{name}.ipynb").read_text()
+        recorded = build_notebooks.recorded_sha256(nbformat.reads(text, as_version=4))
+        original[name] = text.replace(recorded, old).encode()
+        (tmp_path / "notebooks" / f"{name}.ipynb").write_bytes(original[name])
+    previous = {current: old, stale: "0" * 64}.get  # what the previous rule computes now: 7's code changed
+    assert build_notebooks.stale([current, stale]) == [current, stale]
+    assert build_notebooks.restamp([current, stale], previous) == [stale]
+    assert (tmp_path / "notebooks" / f"{stale}.ipynb").read_bytes() == original[stale]
+    new = (tmp_path / "notebooks" / f"{current}.ipynb").read_bytes()
+    assert new == original[current].replace(old.encode(), build_notebooks.inputs_sha256(current).encode())
+    assert build_notebooks.stale([current, stale]) == [stale]
 
 
 @pytest.mark.slow
