@@ -4,7 +4,10 @@ tests/test_solutions_day1.py, _day2.py, _day3.py and _day4.py (tests/test_soluti
 A check runs the commands of its section's first ```bash block, as written there (`python` is this
 interpreter, `torchrun` is `python -m torch.distributed.run`, with `--standalone` added when a command names
 no rendezvous, `runs/...` is a temporary directory, `VAR=value` prefixes are the command's environment), and
-checks what the solution says the learner should see.
+checks what the solution says the learner should see.  A number that comes out of training (a loss, an accuracy)
+is read from the output and compared with what the solution states within a tolerance, never as the digits
+one torch build prints; an exercise that edits a lesson finds the place by a marker (`edit_source`), and stops
+with the marker's name when the lesson no longer has it, rather than run the lesson unedited.
 """
 import json
 import re
@@ -73,8 +76,30 @@ def run_edited(line, tmp, path, source) -> subprocess.CompletedProcess:
     copy = tmp / path
     copy.parent.mkdir(parents=True, exist_ok=True)
     copy.write_text(source)
-    cmd, env = argv(line.replace(path, str(copy)), tmp)
+    # a command that does not name the copy would run something else, the unedited lesson perhaps
+    line = edit_source(line, rf"(?<!\S){re.escape(path)}(?!\S)", lambda _: str(copy), f"the command {line!r}")
+    cmd, env = argv(line, tmp)
     return run(cmd, env={**env, "PYTHONPATH": str(REPO)})
+
+
+def edit_source(text, pattern, replacement, what, count=1) -> str:
+    """`text` (a lesson's source, a solution's command or script) with the regex `pattern` (re.M) replaced as
+    re.subn replaces it: `replacement` is a template (\\1, \\g<name>) or a function of the match (`lambda _: s`
+    for text taken as it is).  The pattern is a marker: identifiers and calls, whitespace as \\s*, not a whole
+    line as typed, so that reformatting the lesson keeps it.  It must match `count` times: a lesson without
+    the marker stops the check here, with `what` (the lesson) and the marker, instead of running unedited."""
+    edited, n = re.subn(pattern, replacement, text, flags=re.M)
+    assert n == count, (f"{what}: the marker `{pattern}` matches {n} time(s), not {count}: the lesson (or the "
+                        f"solution) changed there; find the place again and update the marker")
+    return edited
+
+
+def numbers(text, pattern, what) -> tuple:
+    """The floats that the groups of the regex `pattern` (re.M) match in `text`, a run's output or a
+    solution's page; `what` names the run in the failure."""
+    found = re.search(pattern, text, re.M)
+    assert found, f"{what}: nothing matches {pattern!r} in\n{text[-4000:]}"
+    return tuple(float(g) for g in found.groups())
 
 
 def metrics(run_dir) -> dict:

@@ -9,8 +9,11 @@ import pytest
 
 from conftest import REPO, max_rel_diff, run
 from course.launching.ports import free_port
-from solutions_check import argv, commands, metrics, run_edited, run_solution, solution, weights
+from solutions_check import (argv, commands, edit_source, metrics, numbers, run_edited, run_solution, sections,
+                             solution, weights)
 
+
+pytestmark = pytest.mark.slow  # the exercises' checks: the full suite (the quick tier proves each lesson's own claim)
 
 # ------------------------------------------------------------------------------------------ lesson 0
 
@@ -23,7 +26,7 @@ def test_0_1_more_processes_than_cores(tmp_path):
 @solution("0_torch_dist", 2)
 @pytest.mark.slow
 def test_0_2_one_rank_alone_waits_then_stops(tmp_path):
-    line = commands("0_torch_dist", 2)[0].replace("29533", str(free_port()))
+    line = edit_source(commands("0_torch_dist", 2)[0], r"\b29533\b", str(free_port()), "solutions/0_torch_dist.md, 2")
     cmd, env = argv(line, tmp_path)
     start = time.monotonic()
     proc = run(cmd, env=env, check=False, timeout=120)
@@ -73,11 +76,30 @@ def test_2_1_the_cnn_is_slower_and_behind_after_200_steps(tmp_path, dataset):
     assert cnn["test_accuracy"] < mlp["test_accuracy"]
 
 
+# The MLP's test accuracy after 100 steps of global batch 128, lesson 2's and lesson 4's (2 ranks x 64): the
+# solutions state one number for both, and the runs must be within ACCURACY of it.  Float rounding, all that
+# another torch build changes, does not move it: lesson 4's weights differ from lesson 2's by 3.4e-7 of the
+# largest weight and both print 0.7925 (notebook 4), 1 or 2 threads print 0.7925, and noise of 1e-3 of each
+# tensor's largest weight on the final weights moved it by 0.0004 at most (5 x 5 trials). A different training
+# does: one step fewer +0.0065, --seed 1 -0.0122, --seed 2 +0.0024 (measured 2026-11-29, torch 2.14.1, 2 cores).
+ACCURACY = 0.002  # 20 of the 10000 test images
+
+
+def stated_accuracy() -> float:
+    """The test accuracy that solutions/2_mnist_training.md (exercise 2) and 4_mnist_manual_ddp.md (exercise 1)
+    state, one number in every place."""
+    said = {page: re.findall(r"test accuracy,? (0\.\d+)", sections(page)[n])
+            for page, n in (("2_mnist_training", 2), ("4_mnist_manual_ddp", 1))}
+    assert all(said.values()) and len({a for v in said.values() for a in v}) == 1, said
+    return float(said["4_mnist_manual_ddp"][0])
+
+
 @solution("2_mnist_training", 2)
 def test_2_2_batch_128_takes_half_the_steps(tmp_path, dataset):
     out = run_solution("2_mnist_training", 2, tmp_path).stdout
-    assert "trained 100 steps (12800 samples)" in out
-    assert "test accuracy 0.7925" in out  # lesson 4's 2 ranks x 64 (solutions/4_mnist_manual_ddp.md)
+    (accuracy,) = numbers(out, r"^trained 100 steps \(12800 samples\) in .*; test accuracy (0\.\d+) over the 10000",
+                          "lesson 2 with batch 128")
+    assert abs(accuracy - stated_accuracy()) <= ACCURACY, (accuracy, stated_accuracy())  # lesson 4's 2 ranks x 64
 
 
 # ------------------------------------------------------------------------------------------ lesson 3
@@ -85,10 +107,13 @@ def test_2_2_batch_128_takes_half_the_steps(tmp_path, dataset):
 @solution("3_mnist_distributed", 1)
 def test_3_1_a_seed_per_rank_makes_different_models(tmp_path, dataset):
     edit, train = commands("3_mnist_distributed", 1)
-    assert edit.startswith("sed ") and "args.seed + rank" in edit
+    sed = re.fullmatch(r"sed 's/(.+)/(.+)/' day1/3_mnist_distributed\.py > day1/3_seed_per_rank\.py", edit)
+    assert sed and sed[2] == "build_model(args.model, args.seed + rank)", edit
     source = (REPO / "day1/3_mnist_distributed.py").read_text()
-    assert "build_model(args.model, args.seed)" in source
-    seed_per_rank = source.replace("build_model(args.model, args.seed)", "build_model(args.model, args.seed + rank)")
+    # the learner's sed replaces its text as typed, and copies the lesson unchanged where it is not found
+    assert sed[1] in source, f"day1/3_mnist_distributed.py no longer has {sed[1]!r}: update the solution's sed"
+    seed_per_rank = edit_source(source, r"\bbuild_model\(\s*args\.model\s*,\s*args\.seed\s*\)", lambda _: sed[2],
+                                "day1/3_mnist_distributed.py")
     out = run_edited(train, tmp_path, "day1/3_seed_per_rank.py", seed_per_rank).stdout
     assert "identical weights on all 2 ranks: False; identical data order: True" in out
 
@@ -98,7 +123,9 @@ def test_3_1_a_seed_per_rank_makes_different_models(tmp_path, dataset):
 @solution("4_mnist_manual_ddp", 1)
 def test_4_1_flat_sync_gives_the_same_result(tmp_path, dataset):
     out = run_solution("4_mnist_manual_ddp", 1, tmp_path).stdout
-    assert "global batch 128; test accuracy 0.7925" in out
+    # --sync flat against per-param and lesson 2's batch 128: the accuracy the solutions state (ACCURACY: why)
+    (accuracy,) = numbers(out, r"2 ranks x batch 64 = global batch 128; test accuracy (0\.\d+);", "lesson 4, flat")
+    assert abs(accuracy - stated_accuracy()) <= ACCURACY, (accuracy, stated_accuracy())
     # lesson 4 under torchrun: the 2 ranks split the test set and count every image once
     assert metrics(tmp_path / "solutions/4-flat")["world_size"] == 2
     assert "(10000 test images, each counted once)" in out

@@ -9,7 +9,9 @@ import pytest
 
 from conftest import REPO, environ, max_rel_diff, run
 from course.launching.ports import free_port
-from solutions_check import SOLUTIONS, argv, commands, metrics, run_solution, solution, weights
+from solutions_check import SOLUTIONS, argv, commands, edit_source, metrics, run_solution, solution, weights
+
+pytestmark = pytest.mark.slow  # the exercises' checks: the full suite (the quick tier proves each lesson's own claim)
 
 
 # ------------------------------------------------------------------------------------------ lesson 9
@@ -19,7 +21,8 @@ def two_agents(name, n, tmp, wait=0.0) -> list:
     port = str(free_port())
     procs = []
     for line in commands(name, n)[:2]:
-        cmd, env = argv(re.sub(r"--master_port=\d+", f"--master_port={port}", line), tmp)
+        line = edit_source(line, r"--master_port=\d+", f"--master_port={port}", f"solutions/{name}.md, {n}")
+        cmd, env = argv(line, tmp)
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=environ(env), stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
         time.sleep(wait)
