@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Command 2: set everything up (as quickstart.sh) and run the test suite.  Extra arguments go to pytest,
-# e.g. ./run_tests.sh -m "not slurm" or ./run_tests.sh tests/test_data_tools.py.  Three pytest-xdist workers
-# (TEST_WORKERS=N to change, -n 0 for none): many tests wait part of the time for Slurm jobs, signals or
-# timeouts, and on 2 cores a third stream fills those gaps (docs/contributors/tests.md, "Time").
-# --dist loadfile: a test file runs in one worker, so its module fixtures (all launchers submitted at once, a
-# reference run) run once; --no-loadscope-reorder: the files go to the workers in the order of
-# tests/conftest.py's LONGEST_FIRST, so that no long file is left to run alone at the end.  A worker with
-# Slurm tests starts its own test cluster (clusters on one machine are independent).
+# e.g. ./run_tests.sh -m "not slurm" or ./run_tests.sh tests/test_data_tools.py.
+#   ./run_tests.sh            the full suite (CI runs this): every test, the real 2-node Slurm and the browser too
+#   ./run_tests.sh --quick    the quick tier for contributors: the in-process tests and, for every lesson, the one
+#                             run that proves its central claim (tests marked quick); a few minutes
+# (docs/contributors/tests.md, "Two tiers").  Three pytest-xdist workers (TEST_WORKERS=N to change, -n 0 for
+# none): many tests wait part of the time for Slurm jobs, signals or timeouts, and on 2 cores a third stream
+# fills those gaps.  --dist loadfile: a test file runs in one worker, so its module fixtures run once (the
+# reference runs that several files read run once in the whole session: tests/catalogue.py);
+# --no-loadscope-reorder: the files go to the workers longest first, in the order tests/conftest.py gives them
+# from the last run's times, so that no long file is left to run alone at the end.  A worker with Slurm tests
+# starts its own test cluster (clusters on one machine are independent).
 # The tests start real components: Slurm and munge, Chromium, network namespaces (scripts/system_packages.sh
 # lists the Debian packages).  As root or with password-less sudo, the missing ones are installed first
 # (nothing to do on a second run); otherwise their tests skip, and the last line says how many and the
@@ -16,10 +20,16 @@ cd "$(dirname "$0")"
 scripts/system_packages.sh install || true  # without root their tests skip; an apt-get failure is said above
 source scripts/setup_env.sh
 
+tier=()
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  tier=(-m "quick or not (slow or slurm or browser or gpu)")
+fi
+
 report="$(mktemp)"
 status=0
 COURSE_SKIP_REPORT="$report" "$PY" -m pytest -p tests.skip_report -n "${TEST_WORKERS:-3}" --dist loadfile \
-  --no-loadscope-reorder "$@" \
+  --no-loadscope-reorder "${tier[@]}" "$@" \
   || status=$?
 read -r root_skips package_skips <"$report" || true  # empty when pytest stopped before the end
 root_skips="${root_skips:-0}" package_skips="${package_skips:-0}"

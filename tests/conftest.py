@@ -26,9 +26,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Tests marked gpu (tests/test_gpu.py) run with GPU_ENV, the GPUs this run was started with.
 GPU_ENV = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}  # None: unset, every GPU
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
-# The environment the session started with: what the zygote (below) imports torch under, whichever test
-# happens to start it (a test may have changed variables for itself by then).
-SESSION_ENV = dict(os.environ)
 
 
 def environ(*changes) -> dict:
@@ -39,38 +36,14 @@ def environ(*changes) -> dict:
     return {k: v for k, v in merged.items() if v is not None}
 
 
-_zygote = None
-
-
-def _the_zygote():
-    """This worker's tests/zygote.py server, started at its first use (None: COURSE_TEST_ZYGOTE=0)."""
-    global _zygote
-    if _zygote is None and os.environ.get("COURSE_TEST_ZYGOTE", "1") != "0":
-        import atexit
-        import tempfile
-
-        from zygote import Zygote
-
-        _zygote = Zygote(PYTHON, tempfile.mkdtemp(prefix="course-zygote-"), SESSION_ENV)
-        atexit.register(_zygote.stop)
-    return _zygote
-
-
 def run(cmd, *, timeout=300, check=True, env=None, cwd=REPO) -> subprocess.CompletedProcess:
-    """Run a command, capture its output, and on an unexpected exit code show all of it.  env: variables to
-    set on top of this process's, a value of None removes one.  `python SCRIPT ...` and torchrun (its agent
-    and workers) are forked from this worker's zygote, which has imported torch already (tests/zygote.py says
-    when, and why it is the same).  COURSE_RUN_LOG=FILE appends a JSON line per command: the test, the
-    command, its CPU and wall seconds."""
+    """Run a command as a learner would (a fresh process, started by the launcher the command names), capture
+    its output, and on an unexpected exit code show all of it.  env: variables to set on top of this
+    process's, a value of None removes one.  COURSE_RUN_LOG=FILE appends a JSON line per command: the test,
+    the command, its CPU and wall seconds."""
     cmd, merged = [str(c) for c in cmd], environ(env)
-    zygote = _the_zygote() if cmd[0] == PYTHON else None
     cpu_before, wall_before = _cpu_so_far(), time.monotonic()
-    if zygote is not None and zygote.serves(cmd, merged, PYTHON):
-        if "tests.ran_on" in sys.modules:  # no Popen for its audit hook to see
-            sys.modules["tests.ran_on"].note(cmd, merged)
-        proc = zygote.run(cmd, merged, cwd, timeout)
-    else:
-        proc = subprocess.run(cmd, cwd=cwd, env=merged, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=merged, capture_output=True, text=True, timeout=timeout)
     if os.environ.get("COURSE_RUN_LOG"):  # one JSON line per command: which test, its CPU and wall seconds
         with open(os.environ["COURSE_RUN_LOG"], "a") as log:
             log.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "cmd": cmd[1:],
@@ -180,29 +153,31 @@ def dataset():
 
 # ------------------------------------------------------------------------- where the suite's time goes
 
-# The test files that take longest, longest first (worker-seconds of a whole run with three workers, 2-core
-# machine, 2026-11-26, a clean clone under CI=true): run_tests.sh hands whole files to the workers in collection
-# order (--dist loadfile --no-loadscope-reorder), and starting the long ones first keeps every worker busy to the
-# end instead of leaving one long file running alone at the end.  The other files follow in their usual order.
-LONGEST_FIRST = [
-    "test_solutions_day3.py",  # 834 s
-    "test_solutions_day1.py",  # 498
-    "test_faults.py",  # 406
-    "test_fault_tolerance.py",  # 370
-    "test_day1_lessons.py",  # 362
-    "test_slurm_launchers.py",  # 301
-    "test_solutions_day2.py",  # 279
-    "test_day3_fsdp_init.py",  # 277
-    "test_day2_slurm.py",  # 273
-    "test_benchmark.py", "test_day3_dcp.py", "test_profile_tensorboard.py", "test_day3_precision.py",  # 198-174
-    "test_day3_fsdp.py", "test_day3_hangs.py",  # 172-155
-    "test_day4.py", "test_solutions_day4.py",  # ~100, ~55
-]
+# The order in which run_tests.sh hands whole files to the workers (--dist loadfile --no-loadscope-reorder: in
+# collection order): the longest first, so that no long file is left to run alone at the end.  How long each
+# took comes from this checkout's last run (LAST_DURATIONS, written at the end of every run that was not
+# narrowed by -k or -m) or, in a fresh clone, from the committed DURATIONS (a copy of a LAST_DURATIONS:
+# `cp .pytest-durations.json tests/durations.json`).  A file in neither goes first: a new file may be long.
+DURATIONS = REPO / "tests" / "durations.json"
+LAST_DURATIONS = REPO / ".pytest-durations.json"
+
+
+def file_seconds() -> dict:
+    """{test file name: worker-seconds of its last whole run}: the committed record, updated by this
+    checkout's own."""
+    seconds = {}
+    for path in (DURATIONS, LAST_DURATIONS):
+        try:
+            seconds.update(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            pass
+    return seconds
 
 
 def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+    seconds = file_seconds()
+    # stable: a file's tests keep their order
+    items.sort(key=lambda item: -seconds.get(item.path.name, float("inf")))
 
 
 _seconds_per_file = {}
@@ -213,14 +188,13 @@ _CPU_AT_START = pytest.StashKey[float]()
 
 
 def _cpu_so_far() -> float:
-    """CPU seconds of this worker, of its children that ended (subprocess.run, Popen: fresh interpreters with
-    whatever they waited for), and of the commands its zygote ran.  Not counted: the test Slurm's jobs (the
-    processes of slurmd, not of this worker), and a zygote command still running when a test ends."""
+    """CPU seconds of this worker and of its children that ended (subprocess.run, Popen: the commands it ran,
+    with whatever they waited for).  Not counted: the test Slurm's jobs (the processes of slurmd, not of this
+    worker)."""
     import resource
 
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    zygote = _zygote.cpu_seconds if _zygote is not None else 0.0
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + zygote
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -252,6 +226,13 @@ def pytest_terminal_summary(terminalreporter, config):
     """A table of the test files that took longest, in worker-seconds: what to make cheaper first."""
     if hasattr(config, "workerinput") or not _seconds_per_file:
         return
+    if not config.option.keyword and not config.option.markexpr:  # every test of the files that ran
+        seconds = file_seconds()
+        seconds.update({Path(path).name: round(s, 1) for path, s in _seconds_per_file.items()})
+        try:
+            LAST_DURATIONS.write_text(json.dumps(dict(sorted(seconds.items(), key=lambda kv: -kv[1])), indent=0))
+        except OSError:  # a read-only checkout: the order stays the committed one
+            pass
     total = sum(_seconds_per_file.values())
     terminalreporter.section("worker-seconds per test file")
     for path, seconds in sorted(_seconds_per_file.items(), key=lambda kv: -kv[1])[:15]:
@@ -270,3 +251,13 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(
             f"notebooks: {_notebooks.get('executed', 0)} executed; {_notebooks.get('unchanged', 0)} unchanged since "
             f"their committed run, checked without executing (COURSE_EXECUTE_NOTEBOOKS=all executes them)")
+
+
+@pytest.fixture(scope="session")
+def catalogue(tmp_path_factory, dataset):
+    """catalogue(name): the reference run of that name (tests/reference_runs.py), launched once per test
+    session and shared by every xdist worker (tests/catalogue.py)."""
+    from catalogue import Catalogue, shared_root
+    from reference_runs import RUNS
+
+    return Catalogue(shared_root(tmp_path_factory), RUNS)

@@ -2,8 +2,8 @@
 
     COURSE_RUN_RECORD=docs/records/NAME.json ./run_tests.sh -p tests.ran_on ...
 
-Every process a test starts (seen through Python's audit hook for subprocess.Popen, and conftest.run's
-zygote) whose command names a lesson is classified: which lesson, started how (its own launcher `--nproc`,
+Every process a test starts (seen through Python's audit hook for subprocess.Popen) whose command names a
+lesson is classified: which lesson, started how (its own launcher `--nproc`,
 torchrun, or a Slurm job on the test cluster's two nodes), with how many ranks, on the CPU (gloo) or on GPUs.
 A record counts for a lesson only if the test that started it passed.  At the end of a session in which
 every test passed, the record is written: the machine (CPU, cores, GPUs), Python, torch, the date, and per

@@ -36,6 +36,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
+
 # Daemons live in /usr/sbin, which is not on every user's PATH.
 _SYSTEM_PATH = ["/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"]
 _REQUIRED_BINARIES = [
@@ -93,16 +95,15 @@ def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def _is_running(pid: int) -> bool:
     # A killed daemon can stay a zombie for a while on these VMs: a zombie has finished.
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, ValueError):  # no such process (any more), or a pid file's garbage (-1)
         return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline())
+    except (psutil.Error, ValueError):  # gone, a zombie (no command line left), or a pid file's garbage
         return ""
 
 

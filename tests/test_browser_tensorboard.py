@@ -32,6 +32,7 @@ def served(tmp_path_factory):
         yield log_dir, proc.stdout, tb
 
 
+@pytest.mark.quick("test-profile")
 def test_test_profile_writes_one_trace_per_rank(served):
     log_dir, stdout, _ = served
     traces = sorted(log_dir.glob("rank*.pt.trace.json"))

@@ -34,6 +34,7 @@ def one_line_error(proc, *needles):
     return lines[0]
 
 
+@pytest.mark.quick("create_mnist_h5")
 def test_round_trip_equals_the_source_arrays(mnist_h5):
     with h5py.File(mnist_h5.path, "r") as f:
         assert dict(f.attrs)["dataset"] == mnist_h5.dataset

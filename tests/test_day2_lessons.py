@@ -19,6 +19,7 @@ from course.training.output import load_weights
 LESSONS = {9: "day2/9_torch_dist_multi_node.py", 10: "day2/10_mnist_ddp_pt_multinode.py",
            11: "day2/11_mnist_ddp_pt_multinode_streaming.py"}
 SCRIPT = REPO / "day2/multinode_setup_and_run.sh"
+LESSON10 = ("--quick", "--max-steps", "25", "--seed", "3")  # as the reference runs "10: ..." (tests/reference_runs.py)
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
 
@@ -33,25 +34,19 @@ def bare(cmd, cwd=REPO, timeout=120, **env):
                           timeout=timeout)
 
 
-@pytest.mark.parametrize("number", sorted(LESSONS))
-def test_a_lesson_started_outside_any_launcher_says_how_to_launch_it(number, tmp_path):
-    ran = bare([PYTHON, REPO / LESSONS[number], "--run-dir", tmp_path / "run"] if number > 9 else
-               [PYTHON, REPO / LESSONS[number]])
+def test_a_lesson_started_outside_any_launcher_says_how_to_launch_it(tmp_path):
+    """End to end, in a fresh interpreter, the exit code the shell sees: the one such refusal of a lesson that no
+    launcher started.  Lessons 9 and 11 the same way, and lesson 9 in a Slurm job's shell outside any step,
+    in this process: tests/test_every_input.py."""
+    ran = bare([PYTHON, REPO / LESSONS[10], "--run-dir", tmp_path / "run"])
     assert ran.returncode == 1, ran.stdout + ran.stderr
-    name = os.path.basename(LESSONS[number])
+    name = os.path.basename(LESSONS[10])
     for how in ("does not start its own processes", "salloc --nodes 2 --ntasks-per-node=4",
                 f"./day2/multinode_setup_and_run.sh {name}",
-                f"torchrun --standalone --nproc_per_node=4 {LESSONS[number]}"):
+                f"torchrun --standalone --nproc_per_node=4 {LESSONS[10]}"):
         assert how in ran.stderr, ran.stderr
     assert "Traceback" not in ran.stderr and ran.stderr.strip().count("\n") == 0, ran.stderr  # one line
     assert not (tmp_path / "run").exists()  # nothing written, not even an empty run dir
-
-
-def test_inside_a_job_but_outside_a_step_it_says_to_use_srun():
-    # a batch script's own shell: SLURM_JOB_ID and SLURM_PROCID are set, but no srun step started it
-    ran = bare([PYTHON, REPO / LESSONS[9]], SLURM_JOB_ID=4242, SLURM_PROCID=0, SLURM_JOB_NODELIST="node[1-2]")
-    assert ran.returncode == 1
-    assert "inside Slurm job 4242 but not in a job step" in ran.stderr, ran.stderr
 
 
 def test_the_script_outside_an_allocation_says_how_to_get_one(tmp_path):
@@ -74,6 +69,7 @@ def test_the_script_refuses_bad_arguments(tmp_path, args, message):
 
 
 @pytest.mark.slow
+@pytest.mark.quick("9")
 def test_lesson9_on_two_local_nodes_as_two_torchrun_agents():
     """The notebook's way to show two nodes on one machine: two agents, static rendezvous on 127.0.0.1."""
     port = free_port()
@@ -92,6 +88,31 @@ def test_lesson9_on_two_local_nodes_as_two_torchrun_agents():
     assert "2 ranks on 2 node(s), launched by torchrun" in joined
 
 
+@pytest.mark.slow
+@pytest.mark.quick("10")
+def test_lesson10_on_two_local_nodes_ends_with_the_weights_of_one_node(catalogue, tmp_path):
+    """Two torchrun agents on this machine as two nodes of one rank each: global rank 1 is local rank 0 of
+    node 1, global rank 0 alone writes, and DDP across the "nodes" ends where 2 ranks on one node end (gloo
+    sums in rank order: measured equal).  The same on the real two-node Slurm: tests/test_day2_slurm.py."""
+    port, run_dir = free_port(), tmp_path / "two-nodes"
+    agents = [subprocess.Popen([PYTHON, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                                "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+                                REPO / LESSONS[10], *LESSON10, "--run-dir", run_dir], cwd=REPO, env=clean_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(outputs)
+    joined = "\n".join(outputs)
+    assert re.search(r"^\[rank 1\] local rank 0 of node 1 \(", joined, re.M), joined
+    one = catalogue("10: 2 ranks, torchrun").run_dir
+    two, single = metrics(run_dir), metrics(one)
+    assert two["world_size"] == single["world_size"] == 2 and two["steps"] == single["steps"] == 25
+    assert two["written_by"][0] == 0  # global rank 0, not one writer per node
+    a, b = load_weights(run_dir / "model.pt"), load_weights(one / "model.pt")
+    worst = max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in b)
+    assert worst <= 1e-6, f"max relative weight difference {worst:.3g}"
+    assert two["loss_per_step"] == pytest.approx(single["loss_per_step"], rel=1e-6)
+
+
 def one_rank(*args, **env):
     """A lesson as rank 0 of a world of 1, as torchrun would start it (no agent: fast error-path tests)."""
     return bare([PYTHON, *args], RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, GROUP_RANK=0, MASTER_ADDR="127.0.0.1",
@@ -99,6 +120,8 @@ def one_rank(*args, **env):
 
 
 def test_lesson11_without_the_file_names_the_command_that_creates_it(dataset, tmp_path):
+    """End to end, in a fresh interpreter, the exit code the shell sees: the one such refusal of a lesson given
+    torchrun's variables."""
     missing = tmp_path / "nowhere.h5"
     ran = one_rank(REPO / LESSONS[11], "--h5-file", missing, "--run-dir", tmp_path / "run")
     assert ran.returncode == 1, ran.stderr
@@ -107,13 +130,20 @@ def test_lesson11_without_the_file_names_the_command_that_creates_it(dataset, tm
                      f"python data_tools/create_mnist_h5.py --dataset {dataset} --output {missing}"]
 
 
-def test_lesson11_refuses_a_file_of_another_dataset(mnist_h5, tmp_path):
-    ran = one_rank(REPO / LESSONS[11], "--dataset", "mnist", "--h5-file", mnist_h5.path, "--run-dir", tmp_path)
-    assert ran.returncode == 1
+def test_lesson11_refuses_a_file_of_another_dataset(lesson_main, monkeypatch, mnist_h5, tmp_path):
+    """In this process, as one_rank would start it: the file is read before the rank starts."""
+    for name in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    ran = lesson_main(LESSONS[11], "--dataset", "mnist", "--h5-file", mnist_h5.path, "--run-dir", tmp_path / "run",
+                      env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "GROUP_RANK": "0",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    assert ran.returncode == 1 and ran.stderr.strip().count("\n") == 0, ran.stderr
     assert f"holds {mnist_h5.dataset}, not mnist; pass --dataset {mnist_h5.dataset}" in ran.stderr
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow
+@pytest.mark.quick("11")
 def test_lesson11_from_hdf5_equals_from_memory_given_the_same_order(mnist_h5, tmp_path):
     """2 ranks, 6500 samples in chunks of 700 (9 x 700 + 200): 5 chunks each, but 3500 vs 3000 samples, so
     55 vs 47 steps per epoch: the uneven case join() handles.  Two epochs, so the momentum fix matters."""

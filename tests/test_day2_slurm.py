@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, lesson, metrics
+from conftest import REPO, metrics
 from course.training.output import load_weights
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -112,12 +112,11 @@ def test_the_script_moves_on_when_the_derived_port_is_taken(slurm_cluster):
     assert probes == [[str(r), "node1", str(chosen)] for r in range(4)]  # every rank got the same address
 
 
-def test_lesson10_on_two_nodes_ends_with_the_weights_of_one_node(slurm_cluster, dataset, tmp_path):
-    args = ["--quick", "--max-steps", "25", "--seed", "3"]
+def test_lesson10_on_two_nodes_ends_with_the_weights_of_one_node(slurm_cluster, catalogue):
+    args = ["--quick", "--max-steps", "25", "--seed", "3"]  # as the reference run "10: 4 ranks, torchrun"
     two_nodes = slurm_cluster.workdir / "lesson10"
     output = salloc(slurm_cluster, "10_mnist_ddp_pt_multinode.py", *args, "--run-dir", two_nodes)
-    one_node = tmp_path / "one_node"
-    lesson("day2/10_mnist_ddp_pt_multinode.py", *args, "--run-dir", one_node, launcher="torchrun", nproc=4)
+    one_node = catalogue("10: 4 ranks, torchrun").run_dir
 
     two, one = metrics(two_nodes), metrics(one_node)
     assert (two["world_size"], two["nodes"], two["launcher"]) == (4, 2, "srun")

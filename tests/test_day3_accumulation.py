@@ -20,33 +20,24 @@ Bounds, measured on 2026-11-24 (the numbers are next to each assertion):
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, lesson, metrics
+import reference_runs
+from catalogue import Runs
+from conftest import PYTHON, REPO, metrics
 from course.training.output import load_weights
 
 pytestmark = pytest.mark.slow
 SCRIPT = "day3/14_accumulation_checkpointing.py"
-COMMON = ["--train-samples", "640", "--seed", "5", "--lr", "0.5", "--clip-grad-norm", "0.5", "--max-steps", "4",
-          "--loader", "memory", "--width", "32", "--depth", "2", "--heads", "2", "--precision", "fp32"]
+COMMON = list(reference_runs.ACCUMULATION)  # the reference runs' arguments
 EQUAL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, dataset):
+def runs(catalogue):
     """Global batch 32 four ways: W = 2 x k = 2 x b = 8 under torchrun, and with the lesson's own launcher
     W = 2 x k = 1 x b = 16, W = 1 x k = 1 x b = 32, and W = 2 x k = 2 x b = 8 with activation checkpointing;
-    and k = 1 at the same micro-batch b = 8 (global batch 16, 2 steps), for the bytes per sample."""
-    root = tmp_path_factory.mktemp("accumulation")
-    plan = {"k2": ("torchrun", 2, ["--batch-size", "8", "--accumulate", "2"]),
-            "k1": ("self", 2, ["--batch-size", "16"]),
-            "k1_b8": ("self", 2, ["--batch-size", "8", "--max-steps", "2"]),
-            "one": ("self", 1, ["--batch-size", "32"]),
-            "k2_checkpointed": ("self", 2, ["--batch-size", "8", "--accumulate", "2", "--checkpoint-activations"])}
-    out = {}
-    for name, (launcher, nproc, extra) in plan.items():
-        nprocs = ["--nproc", str(nproc)] if launcher == "self" else []
-        proc = lesson(SCRIPT, *COMMON, *nprocs, *extra, "--run-dir", root / name, launcher=launcher, nproc=nproc)
-        out[name] = (root / name, proc.stdout)
-    return out
+    and k = 1 at the same micro-batch b = 8 (global batch 16, 2 steps), for the bytes per sample.
+    (Reference runs: tests/reference_runs.py, "14: ...".)"""
+    return Runs(catalogue, "14: ")
 
 
 def vector(run_dir) -> torch.Tensor:
@@ -65,7 +56,7 @@ def initial() -> torch.Tensor:
     return torch.cat([v.flatten() for _, v in sorted(ViT(7, 32, 2, 2).state_dict().items())])
 
 
-@pytest.mark.parametrize("other", ["k1", "one"])
+@pytest.mark.parametrize("other", [pytest.param("k1", marks=pytest.mark.quick("14")), "one"])
 def test_k_micro_batches_equal_one_batch_of_k_times_b(runs, other):
     """Measured 2026-11-24: against W = 2 x 16, 2.1e-8; against one process x 32, 3.1e-8 (bound 1e-6).
     Checked by hand: without the division by k the gradient norms come out 2x (4.72 against 2.36; the active
@@ -136,23 +127,6 @@ def test_checkpointing_lowers_the_measured_peak_of_a_step(runs):
           f"({ratio:.2f}x)")
     assert ratio < 0.8, ratio
     assert "step 3's memory, measured (live tensors on the CPU): 0.275 MB held when it began" in runs["k2"][1]
-
-
-@pytest.mark.parametrize("args, says", [
-    (["--accumulate", "0"], "argument --accumulate: 0 must be at least 1"),
-    (["--accumulate", "1.5"], "argument --accumulate: '1.5' is not a whole number"),
-    (["--accumulate", "3", "--train-samples", "64", "--batch-size", "16"],
-     "--accumulate 3: each rank's shard of 64 samples holds only 2 batches of 16 (2 ranks)"),
-])
-def test_bad_flags_are_one_line(args, says, tmp_path, capsys, dataset, monkeypatch):
-    from as_main import run_as_main
-
-    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
-        monkeypatch.delenv(var, raising=False)
-    code = run_as_main([REPO / SCRIPT, "--quick", "--nproc", "2", *args, "--run-dir", tmp_path / "r"])
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert code != 0 and len(lines) == 1 and says in lines[0], (code, lines)
-    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.slurm

@@ -111,7 +111,8 @@ def runs(tmp_path_factory, dataset):
     return out
 
 
-@pytest.mark.parametrize("resumed, uninterrupted, at", [("r42", "w4", 3), ("r24", "w4", 4)])
+@pytest.mark.parametrize("resumed, uninterrupted, at", [pytest.param("r42", "w4", 3, marks=pytest.mark.quick("16")),
+                                                      ("r24", "w4", 4)])
 def test_resumed_at_another_world_size_ends_with_the_uninterrupted_weights(runs, resumed, uninterrupted, at):
     """Measured 2026-11-24: 2.3e-8 (4 -> 2), 2.0e-8 (2 -> 4) (bound 1e-6)."""
     r, u = runs[resumed][0], runs[uninterrupted][0]

@@ -28,34 +28,24 @@ Bounds (the numbers are next to each assertion):
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, lesson, metrics
+import reference_runs
+from catalogue import Runs
+from conftest import PYTHON, REPO, metrics
 from course.training.output import load_weights
 
 pytestmark = pytest.mark.slow
 SCRIPT = "day3/15_fsdp2.py"
 DDP_SCRIPT = "day3/13_mixed_precision.py"
-COMMON = ["--train-samples", "640", "--batch-size", "16", "--seed", "5", "--lr", "0.5", "--clip-grad-norm", "0.5",
-          "--max-steps", "4", "--loader", "memory", "--width", "32", "--depth", "2", "--heads", "2"]
+COMMON = list(reference_runs.FSDP)  # the reference runs' arguments
 EQUAL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, dataset):
+def runs(catalogue):
     """Lesson 13 (DDP, fp32) at W = 2 and 4; lesson 15 at W = 2 under torchrun, and with its own launcher
-    at W = 2 (reshard_after_forward false), W = 4, and W = 2 in bf16."""
-    root = tmp_path_factory.mktemp("fsdp")
-    plan = {"ddp2": (DDP_SCRIPT, "self", 2, ["--precision", "fp32"]),
-            "ddp4": (DDP_SCRIPT, "self", 4, ["--precision", "fp32"]),
-            "fsdp2": (SCRIPT, "torchrun", 2, []),
-            "fsdp2_keep": (SCRIPT, "self", 2, ["--reshard-after-forward", "false"]),
-            "fsdp4": (SCRIPT, "self", 4, []),
-            "fsdp2_bf16": (SCRIPT, "self", 2, ["--precision", "bf16", "--reduce-dtype", "bf16"])}
-    out = {}
-    for name, (script, launcher, nproc, extra) in plan.items():
-        nprocs = ["--nproc", str(nproc)] if launcher == "self" else []
-        proc = lesson(script, *COMMON, *nprocs, *extra, "--run-dir", root / name, launcher=launcher, nproc=nproc)
-        out[name] = (root / name, proc.stdout)
-    return out
+    at W = 2 (reshard_after_forward false), W = 4, and W = 2 in bf16.
+    (Reference runs: tests/reference_runs.py, "15: ...".)"""
+    return Runs(catalogue, "15: ")
 
 
 def vector(run_dir) -> torch.Tensor:
@@ -67,7 +57,7 @@ def relative(a, b) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("w", [2, 4])
+@pytest.mark.parametrize("w", [pytest.param(2, marks=pytest.mark.quick("15")), 4])
 def test_fsdp2_ends_with_the_weights_of_ddp(runs, w):
     """Measured: 0.0 at W = 2 (2.1e-8 at W = 2 and 2.0e-8 at W = 4 with an earlier build of the shards);
     bound 1e-6: the sums run in another order."""
@@ -168,26 +158,6 @@ def test_bf16_gathers_and_reduces_over_gloo(runs):
     m = metrics(runs["fsdp2_bf16"][0])
     # the shards, their gradients and the momentum stay fp32: the same bytes as the fp32 run
     assert m["per_rank_bytes"][0]["total"] == metrics(runs["fsdp2"][0])["per_rank_bytes"][0]["total"]
-
-
-@pytest.mark.parametrize("args, says", [
-    (["--reshard-after-forward", "maybe"], "argument --reshard-after-forward: invalid choice: 'maybe'"),
-    (["--reduce-dtype", "fp8"], "argument --reduce-dtype: invalid choice: 'fp8'"),
-    (["--model", "mlp"], "--model mlp: lesson 15 shards the ViT block by block"),
-    (["--memory-budget-mb", "-1"], "--memory-budget-mb -1: must be 0 (no budget) or more"),
-    (["--nproc", "1"], "per-rank budget 4 MB: DDP's full replica needs 6.18 MB (does not fit); FSDP2 over 1 "
-                       "rank needs 6.18 MB (does not fit); use more ranks"),
-    (["--nproc", "2", "--depth", "8"], "FSDP2 over 2 ranks needs 6.13 MB (does not fit)"),
-])
-def test_bad_input_is_one_line(args, says, tmp_path, capsys, dataset, monkeypatch):
-    from as_main import run_as_main
-
-    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
-        monkeypatch.delenv(var, raising=False)
-    code = run_as_main([REPO / SCRIPT, "--quick", *args, "--run-dir", tmp_path / "r"])
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert code != 0 and len(lines) == 1 and says in lines[0], (code, lines)
-    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.slurm

@@ -60,19 +60,22 @@ def relative(a, b) -> float:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, dataset):
+def runs(tmp_path_factory, catalogue):
     """Lesson 15 at W = 2: fp32 (every ViT built recorded), fp16 with an inf in rank 1's shard at step 2, bf16
-    with the default fp32 reduction and with --reduce-dtype bf16."""
+    with the default fp32 reduction and with --reduce-dtype bf16 (the reference run "15: fsdp2_bf16", which
+    tests/test_day3_fsdp.py reads too)."""
     root = tmp_path_factory.mktemp("fsdp_init")
     (root / "site").mkdir()
     (root / "site" / "sitecustomize.py").write_text(RECORDER)
     env = {"PYTHONPATH": f"{root / 'site'}:{REPO}", "VIT_BUILDS": str(root / "builds.txt")}
     out = {}
     plan = {"fp32": [], "fp16": ["--precision", "fp16", "--overflow-at", "2"],
-            "bf16": ["--precision", "bf16"], "bf16_reduce_bf16": ["--precision", "bf16", "--reduce-dtype", "bf16"]}
+            "bf16": ["--precision", "bf16"]}
     for name, extra in plan.items():
         proc = lesson(SCRIPT15, *COMMON, *extra, "--run-dir", root / name, env=env if name == "fp32" else None)
         out[name] = (root / name, proc.stdout)
+    ran = catalogue("15: fsdp2_bf16")
+    out["bf16_reduce_bf16"] = (ran.run_dir, ran.stdout)
     out["builds"] = (root / "builds.txt").read_text().split()
     return out
 
@@ -184,14 +187,3 @@ def test_lesson16_fp16_resume_restores_the_loss_scale(runs16):
     assert marker(first, 6)["scaler"] == marker(whole, 6)["scaler"] == {**saved, "_growth_tracker": 4}
     assert metrics(resumed)["first_step"] == 3 and metrics(whole)["skipped_steps"] == [2]
     assert torch.equal(vector(resumed), vector(whole))
-
-
-def test_bad_input_is_one_line(tmp_path, capsys, dataset, monkeypatch):
-    from as_main import run_as_main
-
-    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
-        monkeypatch.delenv(var, raising=False)
-    code = run_as_main([REPO / SCRIPT15, "--quick", "--reduce-dtype", "fp8", "--run-dir", tmp_path / "r"])
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert code != 0 and len(lines) == 1 and "argument --reduce-dtype: invalid choice: 'fp8'" in lines[0], lines
-    assert not (tmp_path / "r").exists()

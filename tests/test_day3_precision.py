@@ -21,33 +21,25 @@ from argparse import Namespace
 import pytest
 import torch
 
-from conftest import REPO, lesson, max_rel_diff, metrics
+import reference_runs
+from catalogue import Runs
+from conftest import max_rel_diff, metrics
 from course.training.output import load_weights
 
 pytestmark = pytest.mark.slow
 SCRIPT = "day3/13_mixed_precision.py"
 LR, CLIP = 1.0, 0.05
-COMMON = ["--train-samples", "640", "--batch-size", "16", "--seed", "5", "--lr", str(LR),
-          "--clip-grad-norm", str(CLIP), "--loader", "memory", "--width", "32", "--depth", "2", "--heads", "2"]
+COMMON = list(reference_runs.PRECISION)  # the reference runs' arguments
 BOUND = {"bf16": 0.05, "fp16": 0.01}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, dataset):
+def runs(catalogue):
     """One step each in fp32 (under torchrun), bf16 and fp16 (the lesson's own launcher); two fp16 steps with
     an inf in rank 1's loss at step 2; one fp32 step of the compiled model (--compile: the slowest run here,
-    tens of seconds of compiling on a CPU)."""
-    root = tmp_path_factory.mktemp("precision")
-    out = {}
-    for name, launcher, extra in (("fp32", "torchrun", ["--precision", "fp32", "--max-steps", "1"]),
-                                  ("bf16", "self", ["--precision", "bf16", "--max-steps", "1"]),
-                                  ("fp16", "self", ["--precision", "fp16", "--max-steps", "1"]),
-                                  ("overflow", "self", ["--precision", "fp16", "--max-steps", "2",
-                                                        "--overflow-at", "2", "--overflow-rank", "1"]),
-                                  ("compiled", "self", ["--precision", "fp32", "--max-steps", "1", "--compile"])):
-        proc = lesson(SCRIPT, *COMMON, *extra, "--run-dir", root / name, launcher=launcher, nproc=2)
-        out[name] = (root / name, proc.stdout)
-    return out
+    tens of seconds of compiling on a CPU).
+    (Reference runs: tests/reference_runs.py, "13: ...".)"""
+    return Runs(catalogue, "13: ")
 
 
 def initial_weights() -> dict:
@@ -64,7 +56,7 @@ def first_gradient(run_dir) -> torch.Tensor:
     return torch.cat([((w0[k] - w1[k]) / LR).flatten() for k in sorted(w0)])
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", [pytest.param("bf16", marks=pytest.mark.quick("13")), "fp16"])
 def test_16_bit_gradients_agree_with_fp32(runs, precision):
     """Measured 2026-11-24: bf16 0.0047, fp16 0.0006 (relative, whole vector); see the module docstring."""
     g32, g16 = first_gradient(runs["fp32"][0]), first_gradient(runs[precision][0])
@@ -113,22 +105,6 @@ def test_the_compiled_model_gives_the_eager_gradients(runs):
     said = re.findall(r"^\[rank (\d)\] compiled the forward and backward pass in ([\d.]+) s", out, re.M)
     assert [r for r, _ in said] == ["0"] and float(said[0][1]) > 0, out
     assert out.index("compiled the forward") < out.index("[rank 0] 1 steps in"), "compiled before training"
-
-
-@pytest.mark.parametrize("args, says", [
-    (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
-    (["--width", "30", "--heads", "4"], "--width 30 is not a multiple of --heads 4"),
-    (["--compile", "--bucket-cap-mb", "0.5"], "--compile with --bucket-cap-mb 0.5: compiled DDP splits the graph"),
-])
-def test_bad_flags_are_one_line(args, says, tmp_path, capsys, dataset):
-    """Run in this process as `python day3/13_mixed_precision.py ...` would run (tests/as_main.py): both
-    stop before any rank starts."""
-    from as_main import run_as_main
-
-    code = run_as_main([REPO / SCRIPT, "--quick", *args, "--run-dir", tmp_path / "r"])
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert code != 0 and len(lines) == 1 and says in lines[0], (code, lines)
-    assert not (tmp_path / "r").exists()
 
 
 def test_a_dtype_autocast_cannot_compute_in_is_one_clear_error(monkeypatch):

@@ -29,14 +29,14 @@ import shutil
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, lesson, metrics, run
+import reference_runs
+from catalogue import Runs
+from conftest import PYTHON, REPO, metrics, run
 from course.training.output import load_weights
 
 pytestmark = pytest.mark.slow
 HARDWARE, TP, MESH = "day4/18_hardware_limits.py", "day4/19_tensor_parallel.py", "day4/20_device_mesh_2d.py"
-COMMON = ["--train-samples", "640", "--batch-size", "32", "--seed", "5", "--lr", "0.5", "--clip-grad-norm", "0.5",
-          "--max-steps", "4", "--loader", "memory", "--width", "32", "--depth", "2", "--heads", "4",
-          "--precision", "fp32", "--sizes-mib", "0.25"]
+COMMON = list(reference_runs.DAY4)  # the reference runs' arguments
 EQUAL = 1e-6
 
 
@@ -48,18 +48,19 @@ def own_network() -> list:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, dataset):
-    root = tmp_path_factory.mktemp("day4")
-    out = {}
-    out["one"] = lesson(HARDWARE, *COMMON, "--nproc", "1", "--run-dir", root / "one", nproc=1)
-    out["tp2"] = lesson(TP, *COMMON, "--run-dir", root / "tp2", launcher="torchrun", nproc=2)
-    out["tp4"] = lesson(TP, *COMMON, "--nproc", "4", "--run-dir", root / "tp4")
-    out["fsdp-tp"] = lesson(MESH, *COMMON, "--batch-size", "16", "--nproc", "4", "--run-dir", root / "fsdp-tp")
-    out["hsdp"] = lesson(MESH, *COMMON, "--batch-size", "8", "--layout", "hsdp", "--run-dir", root / "hsdp",
-                         launcher="torchrun", nproc=4)
-    wire = [*COMMON[:-1], "4", "--max-steps", "2"]
-    out["wire"] = run([*own_network(), PYTHON, REPO / HARDWARE, *wire, "--nproc", "2", "--run-dir", root / "wire"])
-    return {name: (root / name, proc.stdout) for name, proc in out.items()}
+def runs(catalogue):
+    """The reference runs "18-20: one", "tp2", "tp4", "fsdp-tp" and "hsdp" (tests/reference_runs.py)."""
+    return Runs(catalogue, "18-20: ")
+
+
+@pytest.fixture(scope="module")
+def wire(tmp_path_factory, dataset):
+    """Lesson 18 at 4 MiB in a network namespace of its own (root), so that its interfaces' counters see only
+    its ranks: no other test reads it."""
+    run_dir = tmp_path_factory.mktemp("wire")
+    run([*own_network(), PYTHON, REPO / HARDWARE, *COMMON[:-1], "4", "--max-steps", "2", "--nproc", "2",
+         "--run-dir", run_dir])
+    return run_dir
 
 
 def vector(run_dir) -> torch.Tensor:
@@ -67,7 +68,7 @@ def vector(run_dir) -> torch.Tensor:
     return torch.cat([w[k].flatten() for k in sorted(w)])
 
 
-@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("t", [pytest.param(2, marks=pytest.mark.quick("19")), 4])
 def test_tensor_parallel_ends_where_one_process_ends(runs, t):
     """Measured: 2.8e-8 at T = 2, 3.0e-8 at T = 4; bound 1e-6."""
     tp, one = runs[f"tp{t}"][0], runs["one"][0]
@@ -95,7 +96,7 @@ def test_each_rank_holds_one_tth_of_the_cut_parameters_and_the_collectives_are_c
     assert "forward: 4 all_reduce (2 per block); backward: 4 all_reduce (2 per block)" in out
 
 
-@pytest.mark.parametrize("layout", ["fsdp-tp", "hsdp"])
+@pytest.mark.parametrize("layout", [pytest.param("fsdp-tp", marks=pytest.mark.quick("20")), "hsdp"])
 def test_a_2d_mesh_ends_where_one_process_ends(runs, layout):
     """Measured: 3.3e-8 (FSDP2 x TP) and 3.4e-8 (HSDP); bound 1e-6."""
     mesh, one = runs[layout][0], runs["one"][0]
@@ -136,6 +137,7 @@ def test_a_2d_mesh_cuts_every_parameter_and_counts_its_collectives(runs, layout)
         assert comms["backward"] == {**fsdp["backward"], "all_reduce (FSDP2)": 3}
 
 
+@pytest.mark.quick("18")
 def test_the_counted_flops_are_within_ten_percent_of_the_formula_and_utilization_is_a_fraction(runs):
     m = metrics(runs["one"][0])
     ratio = m["flops_per_step"] / m["flops_formula"]
@@ -145,10 +147,10 @@ def test_the_counted_flops_are_within_ten_percent_of_the_formula_and_utilization
     assert f"(counted / formula: {ratio:.3f})" in runs["one"][1]
 
 
-def test_the_bytes_on_the_wire_are_the_formulas(runs):
+def test_the_bytes_on_the_wire_are_the_formulas(request):
     if not own_network():
         pytest.skip("needs root: the bytes sent are counted in a network namespace of the test's own")
-    rows = {r["op"]: r for r in metrics(runs["wire"][0])["collectives"]}
+    rows = {r["op"]: r for r in metrics(request.getfixturevalue("wire"))["collectives"]}
     ratios = {op: r["sent"] / r["formula_per_rank"] for op, r in rows.items()}
     print("sent / formula at 4 MiB:", {op: round(v, 4) for op, v in ratios.items()})
     assert 1.0 <= ratios["all_reduce"] <= 1.01 and 1.0 <= ratios["all_gather"] <= 1.01, ratios
@@ -157,14 +159,3 @@ def test_the_bytes_on_the_wire_are_the_formulas(runs):
                for op, r in rows.items())  # 2 ranks: 2(n-1)/n = 1, (n-1)/n = 1/2
 
 
-def test_bad_tensor_parallel_input_is_one_line_before_any_rank_starts(lesson_main):
-    done = lesson_main(TP, "--quick", "--heads", "4", "--nproc", "3")
-    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
-    assert "--heads 4 does not divide among 3 tensor-parallel ranks" in done.stderr
-    done = lesson_main(TP, "--quick", "--model", "mlp", "--nproc", "2")
-    assert done.returncode == 1 and "tensor parallelism cuts the ViT's" in done.stderr, done.stderr
-    done = lesson_main(MESH, "--quick", "--inner", "3", "--nproc", "4")
-    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
-    assert "--inner 3 does not divide the 4 ranks into rows" in done.stderr and "--inner 1, 2, 4" in done.stderr
-    done = lesson_main(MESH, "--quick", "--heads", "4", "--inner", "3", "--nproc", "6")
-    assert done.returncode == 1 and "--heads 4 does not divide among 3 tensor-parallel ranks" in done.stderr

@@ -6,8 +6,12 @@ The options come from each lesson's --help and the variables from its code (ever
 module it imports, followed module by module), so that a new option or variable without bad values here
 fails the first two tests: nothing can skip the walk.  The lessons run in this process (conftest's
 lesson_main), where starting a rank is a test failure.
+
+What the walk cannot ask of every option alike (the words of a refusal, its exact exit code, values bad only
+together, the variables that decide the launch) is in one explicit table, SAID, at the end.
 """
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -224,3 +228,142 @@ def test_every_bad_environment_value_is_one_line_before_any_rank(lesson_main, le
                 check(lesson_main, script, ["--run-dir", run_dir] if has_run_dir else [], [name], run_dir,
                       f"{name}={value!r} {script}", failures)
     assert failures == [], "\n".join(failures)
+
+
+# ------------------------------------------------------------------------------ what the walk does not spell out
+
+# The walk asks the same of every option; these refusals say more, so each is written out: the words of the
+# line, its exact exit code (2: argparse's, the command line is wrong; 1: a command line that parses but cannot
+# run: a world size that does not divide, a path that cannot be written), values that are bad only beside
+# another option, a positional argument, and the variables that decide the launch (none at all, a Slurm job's
+# shell outside a step, torchrun's, srun's).  Each runs as the walk's cases do: in this process, no rank
+# started, one line, and nothing written under the test's tmp dir (its run dir, given where the lesson has one,
+# included).  Before each, every launcher variable is removed; `env` sets some again.  "FILE" and "MISSING" as
+# above.  Refusals that need more than a command line and its environment (damaged data, HDF5 files,
+# checkpoints, a port in use, the number of GPUs) are with the tests that make those.  One refusal per way of launching runs end to end in a fresh
+# interpreter, for the exit code the shell sees: the lesson's own launcher (tests/test_faults.py, lesson 12
+# --nproc 0), no launcher at all (tests/test_day2_lessons.py, lesson 10), torchrun's variables
+# (tests/test_day2_lessons.py, lesson 11 without its HDF5 file), srun's (tests/test_faults.py, a MASTER_PORT
+# in use).
+L4, L12 = "day1/4_mnist_manual_ddp.py", "day2/12_ddp_fault_tolerance.py"
+TP, MESH, PIPELINE = "day4/19_tensor_parallel.py", "day4/20_device_mesh_2d.py", "day4/21_pipeline_parallel.py"
+OUTSIDE = "this multi-node lesson does not start its own processes"
+SAID = [  # script, arguments, environment, exit code, what the one line says
+    # the parser the day-1 and day-2 training lessons share (course/launching/cli.py), on two of them
+    *[(script, args, {}, 2, [said, "(see --help)"]) for script in (L4, L12) for args, said in [
+        (["--nproc", "0"], "argument --nproc: 0 must be at least 1"),
+        (["--nproc", "-2"], "argument --nproc: -2 must be at least 1"),
+        (["--nproc", "-3"], "argument --nproc: -3 must be at least 1"),
+        (["--nproc", "two"], "argument --nproc: 'two' is not a whole number"),
+        (["--epochs", "0"], "argument --epochs: 0 must be at least 1"),
+        (["--batch-size", "-1"], "argument --batch-size: -1 must be at least 1"),
+        (["--batch-size", "-8"], "argument --batch-size: -8 must be at least 1"),
+        (["--dataset", "cifar"], "argument --dataset: invalid choice: 'cifar'"),
+        (["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
+        (["--model", "resnet"], "argument --model: invalid choice: 'resnet'"),
+        (["--lr", "0"], "argument --lr: 0.0 must be greater than 0"),
+    ]],
+    (L12, ["--checkpoint-every", "0"], {}, 2, ["argument --checkpoint-every: 0 must be at least 1", "(see --help)"]),
+    # paths that cannot be written: through a file (unwritable even for root, unlike a chmod), or under /proc
+    ("day1/2_mnist_training.py", ["--run-dir", "/proc/course-run"], {}, 2,
+     ["run dir /proc/course-run cannot be written"]),
+    ("day1/6_mnist_ddp_pt.py", ["--run-dir", "FILE"], {}, 2, ["run dir FILE cannot be written", "--run-dir"]),
+    (L12, ["--run-dir", "FILE/run"], {}, 2, ["run dir FILE/run cannot be written", "--run-dir"]),
+    (L12, ["--checkpoint-dir", "FILE/ckpt"], {}, 1, ["checkpoint dir FILE/ckpt cannot be written", "--checkpoint-dir"]),
+    ("day1/5_mnist_manual_ddp_profile.py", ["--log-dir", "FILE/log"], {}, 1,
+     ["log dir FILE/log cannot be written", "--log-dir"]),
+    ("day1/5_mnist_manual_ddp_profile.py", ["--log-dir", "/proc/no/such/dir"], {}, 1,
+     ["log dir /proc/no/such/dir cannot be written"]),
+    ("day1/5_mnist_manual_ddp_profile.py", ["--max-steps", "3"], {}, 1,
+     ["--max-steps 3 ends training before the profiler has recorded"]),
+    # lesson 7's world sizes (a positional argument: the walk reads options only), and --sweep under torchrun
+    ("day1/7_mnist_ddp_pt_timing.py", ["2", "--nproc", "3"], {}, 2, ["disagree"]),
+    ("day1/7_mnist_ddp_pt_timing.py", ["0"], {}, 2, ["must be at least 1"]),
+    ("day1/7_mnist_ddp_pt_timing.py", ["--sweep"], {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}, 2,
+     ["--sweep", "torchrun"]),
+    ("day1/8_mnist_ddp_pt_lr.py", ["--warmup-steps", "-1"], {}, 2, ["must be 0 or more"]),
+    # the multi-node lessons without a launcher, and in a batch script's own shell (a job, but no srun step)
+    *[(script, [], {}, 1, [OUTSIDE, "salloc --nodes 2 --ntasks-per-node=4",
+                           f"./day2/multinode_setup_and_run.sh {Path(script).name}",
+                           f"torchrun --standalone --nproc_per_node=4 {script}"])
+      for script in ("day2/9_torch_dist_multi_node.py", "day2/11_mnist_ddp_pt_multinode_streaming.py")],
+    ("day2/9_torch_dist_multi_node.py", [], {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
+                                             "SLURM_JOB_NODELIST": "node[1-2]"}, 1,
+     ["inside Slurm job 4242 but not in a job step"]),
+    # rank 0 of an srun step told to listen on another host (rank 1, which waits for it: tests/test_faults.py)
+    ("day1/6_mnist_ddp_pt.py", [], {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1",
+                                    "SLURM_LOCALID": "0", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
+                                    "SLURM_NODEID": "0", "MASTER_ADDR": "192.0.2.1", "MASTER_PORT": "29731"}, 1,
+     ["rank 0 runs on", "MASTER_ADDR=192.0.2.1 is not an address of this host"]),
+    # day 3
+    ("day3/13_mixed_precision.py", ["--quick", "--precision", "fp8"], {}, 2,
+     ["argument --precision: invalid choice: 'fp8'"]),
+    ("day3/13_mixed_precision.py", ["--quick", "--width", "30", "--heads", "4"], {}, 1,
+     ["--width 30 is not a multiple of --heads 4"]),
+    ("day3/13_mixed_precision.py", ["--quick", "--compile", "--bucket-cap-mb", "0.5"], {}, 1,
+     ["--compile with --bucket-cap-mb 0.5: compiled DDP splits the graph"]),
+    ("day3/14_accumulation_checkpointing.py", ["--quick", "--nproc", "2", "--accumulate", "0"], {}, 2,
+     ["argument --accumulate: 0 must be at least 1"]),
+    ("day3/14_accumulation_checkpointing.py", ["--quick", "--nproc", "2", "--accumulate", "1.5"], {}, 2,
+     ["argument --accumulate: '1.5' is not a whole number"]),
+    ("day3/14_accumulation_checkpointing.py",
+     ["--quick", "--nproc", "2", "--accumulate", "3", "--train-samples", "64", "--batch-size", "16"], {}, 1,
+     ["--accumulate 3: each rank's shard of 64 samples holds only 2 batches of 16 (2 ranks)"]),
+    ("day3/15_fsdp2.py", ["--quick", "--reshard-after-forward", "maybe"], {}, 2,
+     ["argument --reshard-after-forward: invalid choice: 'maybe'"]),
+    ("day3/15_fsdp2.py", ["--quick", "--reduce-dtype", "fp8"], {}, 2,
+     ["argument --reduce-dtype: invalid choice: 'fp8'"]),
+    ("day3/15_fsdp2.py", ["--quick", "--model", "mlp"], {}, 1,
+     ["--model mlp: lesson 15 shards the ViT block by block"]),
+    ("day3/15_fsdp2.py", ["--quick", "--memory-budget-mb", "-1"], {}, 1,
+     ["--memory-budget-mb -1: must be 0 (no budget) or more"]),
+    ("day3/15_fsdp2.py", ["--quick", "--nproc", "1"], {}, 1,
+     ["per-rank budget 4 MB: DDP's full replica needs 6.18 MB (does not fit); FSDP2 over 1 rank needs 6.18 MB "
+      "(does not fit); use more ranks"]),
+    ("day3/15_fsdp2.py", ["--quick", "--nproc", "2", "--depth", "8"], {}, 1,
+     ["FSDP2 over 2 ranks needs 6.13 MB (does not fit)"]),
+    ("day3/17_debugging_hangs.py", ["--bug", "typo"], {}, 2, ["invalid choice: 'typo'"]),
+    ("day3/17_debugging_hangs.py", ["--nproc", "1", "--bug", "skip"], {}, 1, ["needs at least 2 ranks"]),
+    # day 4: what does not divide among the ranks, the stages, the micro-batches
+    (TP, ["--quick", "--heads", "4", "--nproc", "3"], {}, 1,
+     ["--heads 4 does not divide among 3 tensor-parallel ranks"]),
+    (TP, ["--quick", "--model", "mlp", "--nproc", "2"], {}, 1, ["tensor parallelism cuts the ViT's"]),
+    (MESH, ["--quick", "--inner", "3", "--nproc", "4"], {}, 1,
+     ["--inner 3 does not divide the 4 ranks into rows", "--inner 1, 2, 4"]),
+    (MESH, ["--quick", "--heads", "4", "--inner", "3", "--nproc", "6"], {}, 1,
+     ["--heads 4 does not divide among 3 tensor-parallel ranks"]),
+    (PIPELINE, ["--quick", "--depth", "4", "--nproc", "3"], {}, 1,
+     ["--depth 4 blocks do not divide among 3 stages (one per rank)"]),
+    (PIPELINE, ["--quick", "--depth", "4", "--nproc", "4", "--schedule", "interleaved-1f1b"], {}, 1,
+     ["--depth 4 blocks do not divide among 4 ranks x 2 stages each; use --depth 8"]),
+    (PIPELINE, ["--quick", "--batch-size", "30", "--microbatches", "4"], {}, 1,
+     ["--batch-size 30 does not split into 4 equal"]),
+    (PIPELINE, ["--quick", "--depth", "4", "--nproc", "4", "--schedule", "1f1b", "--microbatches", "2"], {}, 1,
+     ["--schedule 1f1b needs at least as many micro-batches as stages: --microbatches 2 < 4 stages"]),
+    (PIPELINE, ["--quick", "--nproc", "2", "--schedule", "interleaved-1f1b", "--microbatches", "5", "--batch-size",
+                "60"], {}, 1, ["--microbatches 5 is not a multiple of 2; use a multiple of 2"]),
+    (PIPELINE, ["--quick", "--model", "mlp"], {}, 1, ["the pipeline's stages are runs of the ViT's blocks"]),
+    (PIPELINE, ["--quick", "--stage-ms", "-1"], {}, 2, ["-1.0 must be 0 or more"]),
+]
+
+
+def tree(path: Path) -> list:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+@pytest.mark.parametrize("script, args, env, code, said", SAID,
+                         ids=[" ".join([Path(s).name.split("_")[0], *a, *e]) for s, a, e, *_ in SAID])
+def test_each_refusal_the_walk_does_not_spell_out(lesson_main, lesson_options, monkeypatch, dataset, tmp_path,
+                                                 script, args, env, code, said):
+    args, said = [concrete(a, tmp_path) for a in args], [concrete(phrase, tmp_path) for phrase in said]
+    if "--run-dir" in lesson_options[script] and "--run-dir" not in args:
+        args += ["--run-dir", tmp_path / "run"]
+    for name in [*TORCHRUN, *(n for n in os.environ if n.startswith("SLURM_"))]:
+        monkeypatch.delenv(name, raising=False)
+    before = tree(tmp_path)
+    done = lesson_main(script, *args, env=env)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert (done.returncode, len(lines)) == (code, 1), f"exit {done.returncode} (expected {code}):\n{done.stderr}"
+    for phrase in said:
+        assert phrase in lines[0], f"{phrase!r} not in: {lines[0]}"
+    assert tree(tmp_path) == before, "written under the test's tmp dir"

@@ -15,7 +15,8 @@ def torch_imports(stderr: str) -> int:
     return len(re.findall(r"^import time:.*\| *torch$", stderr, flags=re.M))
 
 
-@pytest.mark.parametrize("method, imports", [("", 1), ("fork", 1), ("forkserver", 2), ("spawn", 1 + 2 + 3)])
+@pytest.mark.parametrize("method, imports", [("", 1), ("fork", 1), ("forkserver", 2),
+                                             pytest.param("spawn", 1 + 2 + 3, marks=pytest.mark.slow)])
 def test_ranks_see_their_own_launch_and_torch_is_imported_once_for_all(method, imports):
     """Two launches (2 ranks, then 3) from one process, as lesson 7's sweep makes them.  Every rank sees the
     environment of its own launch (its MASTER_PORT, the variable set just before it), although a fork

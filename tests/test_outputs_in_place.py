@@ -11,6 +11,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from conftest import PYTHON, REPO, help_texts_of, run
 
 LESSON_DIRS = ("day1", "day2", "day3", "day4")
@@ -44,6 +46,7 @@ def test_every_default_output_under_a_lesson_folder_is_ignored_by_git():
     assert not shown, "git would show these outputs as untracked: " + "; ".join(shown)
 
 
+@pytest.mark.slow
 def test_lessons_run_from_their_own_folder_leave_nothing_untracked(tmp_path, dataset):
     copy = tmp_path / "repo"
     for part in ("course", "data_tools", "day1", "day2"):

@@ -113,6 +113,7 @@ def test_chrome_traces_are_valid_json_with_the_expected_events(compared):
 
 
 @pytest.mark.slow
+@pytest.mark.quick("5")
 def test_tensorboard_loads_every_view_and_counts_the_all_reduces(compared, tmp_path):
     """A real TensorBoard: per variant both workers, all six views, gloo:all_reduce as often as expected,
     and the plugin's own communication times equal lesson 5's table (computed independently)."""
@@ -199,15 +200,8 @@ def test_overlap_counts_only_communication_during_gradient_computation():
 
 # ------------------------------------------------------------------------------------------ bad input
 
-@pytest.mark.parametrize("args, code, says", [
-    (["--max-steps", "3"], 1, "--max-steps 3 ends training before the profiler has recorded"),
-    (["--log-dir", "/proc/no/such/dir"], 1, "log dir /proc/no/such/dir cannot be written"),
-])
-def test_bad_input_is_one_line_and_nothing_runs(dataset, args, code, says):
-    proc = lesson(LESSON5, *args, check=False, timeout=120)
-    assert proc.returncode == code and proc.stderr.strip().count("\n") == 0, proc.stderr
-    assert says in proc.stderr
-
+# --max-steps shorter than the schedule and a log dir that cannot be written stop before any rank starts:
+# tests/test_every_input.py.  This one is found by the ranks, once they know how many steps an epoch has.
 
 @pytest.mark.slow
 def test_too_short_an_epoch_for_the_schedule_is_refused(dataset, tmp_path):

@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import PYTHON, REPO, run
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -59,10 +61,12 @@ def test_a_workers_record_reaches_the_controller_whole():
     assert merged == {k: v for k, v in seen.items() if k != "t::failed"}
 
 
+@pytest.mark.slow
 def test_a_session_that_passes_writes_its_record_and_one_that_fails_writes_none(tmp_path):
     record = tmp_path / "r.json"
     env = {"COURSE_RUN_RECORD": str(record)}
-    # two xdist workers, one test each: both workers' records reach the controller's
+    # two xdist workers, one test each: both workers' records reach the controller's.  (Two exercises' checks
+    # run again here on purpose, in a pytest session of their own: the record is of what that session ran.)
     run([PYTHON, "-m", "pytest", "-p", "tests.ran_on", "-n", "2", "--dist", "load", "-q", "--durations=0",
          "tests/test_solutions_day1.py::test_1_3_gloo_anywhere", "tests/test_solutions_day1.py::test_0_3_torchrun"],
         env=env, timeout=300)

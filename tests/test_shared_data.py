@@ -35,6 +35,7 @@ def shared_data(tmp_path_factory, dataset):
     return data_dir
 
 
+@pytest.mark.slow
 def test_a_prepared_read_only_data_dir_serves_the_set_up_and_the_lessons(shared_data, tmp_path):
     start = tmp_path / "start"
     start.touch()

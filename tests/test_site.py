@@ -29,6 +29,8 @@ if sys.version_info < (3, 11):  # requirements-docs.txt installs Sphinx 9 only t
     pytest.skip("the website needs Python >= 3.11 (Sphinx 9)", allow_module_level=True)
 import tomllib  # noqa: E402 - after the skip: Python 3.11 on
 
+pytestmark = pytest.mark.slow  # builds the whole site once (Sphinx): the full suite
+
 LESSONS = tomllib.loads((REPO / "docs/lessons.toml").read_text())["lesson"]
 SMART_QUOTES = str.maketrans("\u2018\u2019\u201c\u201d", "''\"\"")  # the site typesets quotes
 BROWSED = "2"  # the lesson opened in the browser: the single-process baseline, with its loss curve

@@ -15,6 +15,8 @@ from as_main import run_as_main
 
 code = run_as_main(sys.argv[1:])
 gc.collect()
+# From /proc by hand, not psutil: psutil.Process().threads() gives each thread's id and CPU times but not its
+# name (/proc/self/task/TID/comm), and the name is what shows a gloo thread.
 names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
 print(f"rank {os.environ.get('RANK')} exit {code} threads {','.join(names)}", flush=True)
 sys.exit(code)

@@ -1,0 +1,114 @@
+"""The catalogue of reference runs: every configuration that several tests read is launched once per test
+session, the way a learner launches it, and every test reads what it wrote.
+
+A reference run is a lesson, the launcher that starts it (its own `--nproc N`, or torchrun), its world size
+and its arguments (tests/reference_runs.py names them).  The first test that asks for one runs it, in a fresh
+interpreter started by that launcher, into a directory that every pytest-xdist worker of the session shares;
+a worker that asks while another runs it waits for it (a file lock), and then reads the same outputs.  A
+failed run is recorded too: every test that reads it fails with its output, and it is not run again.
+
+    def test_something(reference):
+        ran = reference("lesson 4, 2 ranks, torchrun")    # runs once per session, then read from disk
+        assert "..." in ran.stdout
+        weights = load_weights(ran.run_dir / "model.pt")
+
+A test that must see a launch of its own (a signal, a crash, a timing against another run made beside it)
+runs it itself with conftest.run() and says why.
+"""
+import fcntl
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from conftest import PYTHON, REPO, run
+
+
+@dataclass(frozen=True)
+class Ref:
+    """One reference run.  args may hold "{run_dir}" (this run's own directory) and "{data}" (a directory
+    beside it, e.g. for a checkpoint dir).  launcher "self": `python SCRIPT ARGS` (the lesson's own launcher;
+    ARGS say --nproc N); "torchrun": `torchrun --standalone --nproc_per_node=NPROC SCRIPT ARGS`."""
+    script: str
+    args: tuple = ()
+    launcher: str = "self"
+    nproc: int = 1
+    env: tuple = ()  # ((name, value), ...): set on top of the tests' environment
+    timeout: int = 600
+    returncode: int = 0  # what the run must exit with; None: the tests judge it (a hang's repro fails)
+
+    def command(self, run_dir: Path) -> list:
+        args = [str(a).format(run_dir=run_dir, data=run_dir.with_name(run_dir.name + ".data")) for a in self.args]
+        script = REPO / self.script
+        if self.launcher == "self":
+            return [PYTHON, script, *args]
+        if self.launcher == "torchrun":
+            return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nproc}",
+                    script, *args]
+        raise ValueError(f"{self.script}: launcher {self.launcher!r} is neither 'self' nor 'torchrun'")
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What a reference run left: its directory (its outputs) and what it printed."""
+    name: str
+    run_dir: Path
+    cmd: list
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+class Catalogue:
+    def __init__(self, root: Path, runs: dict):
+        self.root, self.runs = root, runs
+        root.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, name: str) -> Ran:
+        ref = self.runs[name]
+        slug = "".join(c if c.isalnum() else "-" for c in name).strip("-")
+        run_dir, result = self.root / slug, self.root / f"{slug}.json"
+        with open(self.root / f"{slug}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when this process ends, too: a crashed runner frees it
+            if not result.exists():
+                self._run(name, ref, run_dir, result)
+        ran = Ran(name=name, run_dir=run_dir, **json.loads(result.read_text()))
+        if ref.returncode is not None and ran.returncode != ref.returncode:
+            raise AssertionError(f"reference run {name!r}: {' '.join(ran.cmd)} exited {ran.returncode}, "
+                                 f"not {ref.returncode}\n--- stdout\n{ran.stdout}\n--- stderr\n{ran.stderr}")
+        return ran
+
+    @staticmethod
+    def _run(name: str, ref: Ref, run_dir: Path, result: Path) -> None:
+        for leftover in (run_dir, run_dir.with_name(run_dir.name + ".data")):  # of a runner that crashed
+            shutil.rmtree(leftover, ignore_errors=True)
+        cmd = ref.command(run_dir)
+        start = time.monotonic()
+        proc = run(cmd, check=False, timeout=ref.timeout, env=dict(ref.env))
+        record = {"cmd": [str(c) for c in cmd], "returncode": proc.returncode, "stdout": proc.stdout,
+                  "stderr": proc.stderr, "seconds": round(time.monotonic() - start, 2)}
+        partial = result.with_suffix(".partial")
+        partial.write_text(json.dumps(record))
+        os.replace(partial, result)  # the others read a whole record or none
+
+
+def shared_root(tmp_path_factory) -> Path:
+    """A directory every pytest-xdist worker of this session sees: the parent of the workers' own base
+    temporary directories (pytest-N/popen-gwK), or this process's own without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "reference-runs"
+
+
+class Runs:
+    """A test module's reference runs by its own short names, each launched (or read) when a test first asks
+    for it: runs[short] -> (run_dir, stdout) of catalogue(prefix + short)."""
+
+    def __init__(self, catalogue: Catalogue, prefix: str):
+        self.catalogue, self.prefix = catalogue, prefix
+
+    def __getitem__(self, short: str) -> tuple:
+        ran = self.catalogue(self.prefix + short)
+        return ran.run_dir, ran.stdout
