@@ -182,6 +182,24 @@ def test_the_one_day_cut_keeps_or_assigns_every_lesson_once():
     assert set(kept) | set(reading) == set(by_id) and not set(kept) & set(reading)
 
 
+@pytest.mark.parametrize("heading, whole_days", [("### Two days", [1]), ("### Three days", [1, 2])])
+def test_the_two_and_three_day_cuts_keep_or_assign_every_lesson_once(heading, whole_days):
+    """The README promises two to four days: each shorter workshop takes some days of the four whole (and
+    says which, with a link), has a timetable of its own for its last day, and assigns every other lesson as
+    reading, once."""
+    text, by_id = GUIDE.read_text(), {entry["id"]: entry for entry in catalog()}
+    cut = section(text, heading)
+    kept = check_timetable(cut, by_id, [i for i in lesson_rows(timetable(cut)[0], by_id)])
+    whole = {i for i, e in by_id.items() if e["day"] in whole_days}
+    for day in whole_days:
+        title = next(line for line in text.splitlines() if line.startswith(f"### Day {day}: "))[4:]
+        assert f"[{title}](#" in cut, f"'{heading}' does not say it takes '{title}' whole"
+    reading = re.findall(r"^- lesson (\S+): ", cut, re.M)
+    assert len(reading) == len(set(reading)), reading
+    assert not set(kept) & whole and not (set(kept) | whole) & set(reading)
+    assert set(kept) | whole | set(reading) == set(by_id), set(by_id) - set(kept) - whole - set(reading)
+
+
 def test_the_guide_quotes_every_objective_and_minutes():
     text = GUIDE.read_text()
     for entry in catalog():
@@ -205,7 +223,8 @@ def test_the_guide_shows_every_lesson_kit_as_the_catalog_has_it():
 
 def test_every_timetable_has_a_feedback_slot_and_the_guide_a_helper_ratio():
     text = GUIDE.read_text()
-    days = [line for line in text.splitlines() if line.startswith("### Day ")] + ["### One day"]
+    days = [line for line in text.splitlines() if line.startswith("### Day ")] + \
+        ["### One day", "### Two days", "### Three days"]
     for heading in days:
         blocks = [block for _, block, _ in timetable(section(text, heading))[0]]
         assert any(block.startswith("feedback") for block in blocks), f"'{heading}' has no feedback slot"
