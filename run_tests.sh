@@ -20,16 +20,26 @@ cd "$(dirname "$0")"
 scripts/system_packages.sh install || true  # without root their tests skip; an apt-get failure is said above
 source scripts/setup_env.sh
 
+# --quick anywhere among the arguments; a -m EXPR of the caller's narrows the tier (both must hold), for pytest
+# keeps only the last -m it is given
+quick="" marks="" args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) quick="quick or not (slow or slurm or browser or gpu)"; shift ;;
+    -m) [ $# -ge 2 ] || { echo "run_tests: -m needs an expression" >&2; exit 2; }; marks="$2"; shift 2 ;;
+    -m*) marks="${1#-m}"; shift ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
 tier=()
-if [ "${1:-}" = "--quick" ]; then
-  shift
-  tier=(-m "quick or not (slow or slurm or browser or gpu)")
+if [ -n "$quick" ] && [ -n "$marks" ]; then tier=(-m "($quick) and ($marks)")
+elif [ -n "$quick$marks" ]; then tier=(-m "$quick$marks")
 fi
 
 report="$(mktemp)"
 status=0
 COURSE_SKIP_REPORT="$report" "$PY" -m pytest -p tests.skip_report -n "${TEST_WORKERS:-3}" --dist loadfile \
-  --no-loadscope-reorder "${tier[@]}" "$@" \
+  --no-loadscope-reorder ${tier[@]+"${tier[@]}"} ${args[@]+"${args[@]}"} \
   || status=$?
 read -r root_skips package_skips <"$report" || true  # empty when pytest stopped before the end
 root_skips="${root_skips:-0}" package_skips="${package_skips:-0}"

@@ -7,8 +7,8 @@ interpreter started by that launcher, into a directory that every pytest-xdist w
 a worker that asks while another runs it waits for it (a file lock), and then reads the same outputs.  A
 failed run is recorded too: every test that reads it fails with its output, and it is not run again.
 
-    def test_something(reference):
-        ran = reference("lesson 4, 2 ranks, torchrun")    # runs once per session, then read from disk
+    def test_something(catalogue):
+        ran = catalogue("3: 40 steps, 2 ranks, torchrun")  # runs once per session, then read from disk
         assert "..." in ran.stdout
         weights = load_weights(ran.run_dir / "model.pt")
 
@@ -19,6 +19,7 @@ import fcntl
 import json
 import os
 import shutil
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,17 +27,22 @@ from pathlib import Path
 from conftest import PYTHON, REPO, run
 
 
+ASKED = "asked.txt"  # the names tests asked for, one a line, in the shared directory
+
+
 @dataclass(frozen=True)
 class Ref:
     """One reference run.  args may hold "{run_dir}" (this run's own directory) and "{data}" (a directory
     beside it, e.g. for a checkpoint dir).  launcher "self": `python SCRIPT ARGS` (the lesson's own launcher;
-    ARGS say --nproc N); "torchrun": `torchrun --standalone --nproc_per_node=NPROC SCRIPT ARGS`."""
+    ARGS say --nproc N, or the lesson's default holds); "torchrun": `torchrun --standalone
+    --nproc_per_node=NPROC SCRIPT ARGS` (nproc is torchrun's; the plan() helper of reference_runs.py builds
+    --nproc from it for the lesson's own launcher)."""
     script: str
     args: tuple = ()
     launcher: str = "self"
     nproc: int = 1
     env: tuple = ()  # ((name, value), ...): set on top of the tests' environment
-    timeout: int = 600
+    timeout: int = 300
     returncode: int = 0  # what the run must exit with; None: the tests judge it (a hang's repro fails)
 
     def command(self, run_dir: Path) -> list:
@@ -71,14 +77,17 @@ class Catalogue:
         ref = self.runs[name]
         slug = "".join(c if c.isalnum() else "-" for c in name).strip("-")
         run_dir, result = self.root / slug, self.root / f"{slug}.json"
+        with open(self.root / ASKED, "a") as asked:  # for the end of a whole run: every run was read (conftest)
+            asked.write(name + "\n")
         with open(self.root / f"{slug}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when this process ends, too: a crashed runner frees it
             if not result.exists():
                 self._run(name, ref, run_dir, result)
         ran = Ran(name=name, run_dir=run_dir, **json.loads(result.read_text()))
-        if ref.returncode is not None and ran.returncode != ref.returncode:
-            raise AssertionError(f"reference run {name!r}: {' '.join(ran.cmd)} exited {ran.returncode}, "
-                                 f"not {ref.returncode}\n--- stdout\n{ran.stdout}\n--- stderr\n{ran.stderr}")
+        if ran.returncode is None or (ref.returncode is not None and ran.returncode != ref.returncode):
+            how = "did not end" if ran.returncode is None else f"exited {ran.returncode}, not {ref.returncode}"
+            raise AssertionError(f"reference run {name!r}: {' '.join(ran.cmd)} {how}\n--- stdout\n{ran.stdout}"
+                                 f"\n--- stderr\n{ran.stderr}")
         return ran
 
     @staticmethod
@@ -87,19 +96,35 @@ class Catalogue:
             shutil.rmtree(leftover, ignore_errors=True)
         cmd = ref.command(run_dir)
         start = time.monotonic()
-        proc = run(cmd, check=False, timeout=ref.timeout, env=dict(ref.env))
-        record = {"cmd": [str(c) for c in cmd], "returncode": proc.returncode, "stdout": proc.stdout,
-                  "stderr": proc.stderr, "seconds": round(time.monotonic() - start, 2)}
+        try:
+            proc = run(cmd, check=False, timeout=ref.timeout, env=dict(ref.env))
+            code, out, err = proc.returncode, proc.stdout, proc.stderr
+        except subprocess.TimeoutExpired as expired:  # recorded too: the next reader fails at once
+            text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+            code, out = None, text(expired.output)
+            err = text(expired.stderr) + f"\n(ended after its timeout of {ref.timeout} s)"
+        record = {"cmd": [str(c) for c in cmd], "returncode": code, "stdout": out, "stderr": err,
+                  "seconds": round(time.monotonic() - start, 2)}
         partial = result.with_suffix(".partial")
         partial.write_text(json.dumps(record))
         os.replace(partial, result)  # the others read a whole record or none
 
 
-def shared_root(tmp_path_factory) -> Path:
+def unread(root: Path, runs: dict) -> list:
+    """The reference runs no test of the session asked for."""
+    try:
+        asked = set((root / ASKED).read_text().splitlines())
+    except OSError:
+        asked = set()
+    return sorted(set(runs) - asked)
+
+
+def shared_root(config, tmp_path_factory) -> Path:
     """A directory every pytest-xdist worker of this session sees: the parent of the workers' own base
-    temporary directories (pytest-N/popen-gwK), or this process's own without xdist."""
+    temporary directories (pytest-N/popen-gwK), or this process's own without xdist.  A worker is told by its
+    config (workerinput), not by PYTEST_XDIST_WORKER, which a pytest started inside a test inherits."""
     base = tmp_path_factory.getbasetemp()
-    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "reference-runs"
+    return (base.parent if hasattr(config, "workerinput") else base) / "reference-runs"
 
 
 class Runs:

@@ -43,7 +43,17 @@ def run(cmd, *, timeout=300, check=True, env=None, cwd=REPO) -> subprocess.Compl
     the command, its CPU and wall seconds."""
     cmd, merged = [str(c) for c in cmd], environ(env)
     cpu_before, wall_before = _cpu_so_far(), time.monotonic()
-    proc = subprocess.run(cmd, cwd=cwd, env=merged, capture_output=True, text=True, timeout=timeout)
+    # its own session, as a shell's job has its own process group: on a timeout the whole job goes, the ranks
+    # and torchrun's workers (sessions of their own) included, and nothing is left to write into a test's dir
+    with subprocess.Popen(cmd, cwd=cwd, env=merged, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as expired:
+            end_process_tree(popen.pid)
+            expired.output, expired.stderr = popen.communicate()
+            raise
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     if os.environ.get("COURSE_RUN_LOG"):  # one JSON line per command: which test, its CPU and wall seconds
         with open(os.environ["COURSE_RUN_LOG"], "a") as log:
             log.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "cmd": cmd[1:],
@@ -53,6 +63,28 @@ def run(cmd, *, timeout=300, check=True, env=None, cwd=REPO) -> subprocess.Compl
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n"
                              f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     return proc
+
+
+def end_process_tree(pid: int) -> None:
+    """SIGKILL to a process, its process group and every process below it (torchrun starts its workers in
+    sessions of their own)."""
+    import signal
+
+    import psutil
+
+    try:
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        tree = []
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    for process in tree:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
 
 
 def lesson(script, *args, launcher="self", nproc=2, **kw) -> subprocess.CompletedProcess:
@@ -155,31 +187,36 @@ def dataset():
 
 # The order in which run_tests.sh hands whole files to the workers (--dist loadfile --no-loadscope-reorder: in
 # collection order): the longest first, so that no long file is left to run alone at the end.  How long each
-# took comes from this checkout's last run (LAST_DURATIONS, written at the end of every run that was not
-# narrowed by -k or -m) or, in a fresh clone, from the committed DURATIONS (a copy of a LAST_DURATIONS:
-# `cp .pytest-durations.json tests/durations.json`).  A file in neither goes first: a new file may be long.
+# test took (setup, call and teardown) comes from this checkout's runs (LAST_DURATIONS: every run updates the
+# tests it ran, so a run of one file or one test changes only those) or, in a fresh clone, from the committed
+# DURATIONS (`cp .pytest-durations.json tests/durations.json` renews it).  A file is the sum of its tests; one
+# in neither record goes first: a new file may be long.
 DURATIONS = REPO / "tests" / "durations.json"
 LAST_DURATIONS = REPO / ".pytest-durations.json"
 
 
-def file_seconds() -> dict:
-    """{test file name: worker-seconds of its last whole run}: the committed record, updated by this
-    checkout's own."""
+def recorded_seconds() -> dict:
+    """{test id: worker-seconds of its last run}: the committed record, updated by this checkout's own."""
     seconds = {}
     for path in (DURATIONS, LAST_DURATIONS):
         try:
-            seconds.update(json.loads(path.read_text()))
+            record = json.loads(path.read_text())
         except (OSError, ValueError):
-            pass
+            continue
+        if isinstance(record, dict):
+            seconds.update({k: v for k, v in record.items() if isinstance(v, (int, float))})
     return seconds
 
 
 def pytest_collection_modifyitems(items):
-    seconds = file_seconds()
+    per_file = {}
+    for test, seconds in recorded_seconds().items():
+        per_file[test.split("::")[0]] = per_file.get(test.split("::")[0], 0.0) + seconds
     # stable: a file's tests keep their order
-    items.sort(key=lambda item: -seconds.get(item.path.name, float("inf")))
+    items.sort(key=lambda item: -per_file.get(item.nodeid.split("::")[0], float("inf")))
 
 
+_seconds_per_test = {}
 _seconds_per_file = {}
 _cpu_per_file = {}
 _cpu_per_test = {}
@@ -214,6 +251,7 @@ def pytest_runtest_logreport(report):
     worker's reports)."""
     path = report.nodeid.split("::")[0]
     _seconds_per_file[path] = _seconds_per_file.get(path, 0.0) + report.duration
+    _seconds_per_test[report.nodeid] = _seconds_per_test.get(report.nodeid, 0.0) + report.duration
     for key, value in report.user_properties:
         if key == "notebook" and report.when == "call":
             _notebooks[value] = _notebooks.get(value, 0) + 1
@@ -222,17 +260,40 @@ def pytest_runtest_logreport(report):
             _cpu_per_test[report.nodeid] = value
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """At the end of a whole run in CI, in which every test ran (CI=true: no component may be missing), every
+    reference run of tests/reference_runs.py was read by some test: a run nobody reads is a run nobody needs.
+    (A name a test asks for that is not there fails that test.)"""
+    config = session.config
+    whole = not config.option.keyword and not config.option.markexpr and not config.option.collectonly and \
+        all(Path(a).resolve() == REPO / "tests" for a in config.args)
+    if hasattr(config, "workerinput") or not whole or exitstatus != 0 or os.environ.get("CI", "").lower() != "true":
+        return
+    from catalogue import unread
+    from reference_runs import RUNS
+
+    root = config._tmp_path_factory.getbasetemp() / "reference-runs"
+    never = unread(root, RUNS)
+    if never:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        config.get_terminal_writer().line(f"tests/reference_runs.py: no test read {never}: remove them or read them",
+                                          red=True)
+
+
 def pytest_terminal_summary(terminalreporter, config):
     """A table of the test files that took longest, in worker-seconds: what to make cheaper first."""
     if hasattr(config, "workerinput") or not _seconds_per_file:
         return
-    if not config.option.keyword and not config.option.markexpr:  # every test of the files that ran
-        seconds = file_seconds()
-        seconds.update({Path(path).name: round(s, 1) for path, s in _seconds_per_file.items()})
+    if not config.option.collectonly and os.environ.get("COURSE_RECORD_DURATIONS", "1") != "0":
+        seconds = recorded_seconds()
+        seconds.update({test: round(s, 2) for test, s in _seconds_per_test.items()})
+        seconds = {test: s for test, s in seconds.items() if (REPO / test.split("::")[0]).is_file()}  # still there
+        partial = LAST_DURATIONS.with_name(f"{LAST_DURATIONS.name}.{os.getpid()}")
         try:
-            LAST_DURATIONS.write_text(json.dumps(dict(sorted(seconds.items(), key=lambda kv: -kv[1])), indent=0))
+            partial.write_text(json.dumps(dict(sorted(seconds.items())), indent=0))
+            os.replace(partial, LAST_DURATIONS)  # a worker of the next run reads a whole record or the old one
         except OSError:  # a read-only checkout: the order stays the committed one
-            pass
+            partial.unlink(missing_ok=True)
     total = sum(_seconds_per_file.values())
     terminalreporter.section("worker-seconds per test file")
     for path, seconds in sorted(_seconds_per_file.items(), key=lambda kv: -kv[1])[:15]:
@@ -254,10 +315,10 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 @pytest.fixture(scope="session")
-def catalogue(tmp_path_factory, dataset):
+def catalogue(request, tmp_path_factory, dataset):
     """catalogue(name): the reference run of that name (tests/reference_runs.py), launched once per test
     session and shared by every xdist worker (tests/catalogue.py)."""
     from catalogue import Catalogue, shared_root
     from reference_runs import RUNS
 
-    return Catalogue(shared_root(tmp_path_factory), RUNS)
+    return Catalogue(shared_root(request.config, tmp_path_factory), RUNS)

@@ -2,7 +2,7 @@
 session (tests/catalogue.py says how).  A test reads one with the `catalogue` fixture:
 
     def test_lesson4_equals_one_process(catalogue):
-        one, ddp = catalogue("2: 30 steps, batch 64"), catalogue("4: per-param, 2 x 32, own launcher")
+        one, ddp = catalogue("2: 30 steps, batch 64"), catalogue("4: per-param, 2 x 32")
 
 To add a lesson's reference run: one line here, `"N: what it is": Ref(SCRIPT, (ARGS...), launcher, nproc)`,
 with "{run_dir}" where the run writes its outputs; "{data}" names a second directory beside it (a log or
@@ -13,6 +13,7 @@ from catalogue import Ref
 L2, L3, L4, L6 = ("day1/2_mnist_training.py", "day1/3_mnist_distributed.py", "day1/4_mnist_manual_ddp.py",
                   "day1/6_mnist_ddp_pt.py")
 EQUAL = ("--max-steps", "30", "--seed", "3")  # lessons 2, 4 and 6 on the same global batch of 64
+LESSON10 = ("--quick", "--max-steps", "25", "--seed", "3")  # lesson 10 on one node and on two
 
 RUNS = {
     # lesson 0: every rank all_reduces its rank and prints the mean
@@ -38,10 +39,8 @@ RUNS = {
     "6: 2 x 32": Ref(L6, (*EQUAL, "--batch-size", "32", "--run-dir", "{run_dir}", "--nproc", "2")),
     "6: 4 x 16": Ref(L6, (*EQUAL, "--batch-size", "16", "--run-dir", "{run_dir}", "--nproc", "4")),
     # lesson 10 on one node, against two nodes (two local torchrun agents; the real two-node Slurm)
-    "10: 2 ranks, torchrun": Ref("day2/10_mnist_ddp_pt_multinode.py",
-                                 ("--quick", "--max-steps", "25", "--seed", "3", "--run-dir", "{run_dir}"), "torchrun", 2),
-    "10: 4 ranks, torchrun": Ref("day2/10_mnist_ddp_pt_multinode.py",
-                                 ("--quick", "--max-steps", "25", "--seed", "3", "--run-dir", "{run_dir}"), "torchrun", 4),
+    "10: 2 ranks, torchrun": Ref("day2/10_mnist_ddp_pt_multinode.py", (*LESSON10, "--run-dir", "{run_dir}"), "torchrun", 2),
+    "10: 4 ranks, torchrun": Ref("day2/10_mnist_ddp_pt_multinode.py", (*LESSON10, "--run-dir", "{run_dir}"), "torchrun", 4),
 }
 
 

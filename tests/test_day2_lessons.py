@@ -11,6 +11,7 @@ import subprocess
 import pytest
 import torch
 
+import reference_runs
 from conftest import PYTHON, REPO, lesson, metrics
 from course.launching.ports import free_port
 from course.training.output import load_weights
@@ -19,7 +20,7 @@ from course.training.output import load_weights
 LESSONS = {9: "day2/9_torch_dist_multi_node.py", 10: "day2/10_mnist_ddp_pt_multinode.py",
            11: "day2/11_mnist_ddp_pt_multinode_streaming.py"}
 SCRIPT = REPO / "day2/multinode_setup_and_run.sh"
-LESSON10 = ("--quick", "--max-steps", "25", "--seed", "3")  # as the reference runs "10: ..." (tests/reference_runs.py)
+LESSON10 = reference_runs.LESSON10  # the arguments of the reference runs "10: ..."
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
 
@@ -99,7 +100,11 @@ def test_lesson10_on_two_local_nodes_ends_with_the_weights_of_one_node(catalogue
                                 "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
                                 REPO / LESSONS[10], *LESSON10, "--run-dir", run_dir], cwd=REPO, env=clean_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
-    outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    try:
+        outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    finally:
+        for agent in agents:  # one agent failed or hung: the other and its rank go too
+            agent.kill()
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(outputs)
     joined = "\n".join(outputs)
     assert re.search(r"^\[rank 1\] local rank 0 of node 1 \(", joined, re.M), joined

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import reference_runs
 from conftest import REPO, metrics
 from course.training.output import load_weights
 
@@ -113,7 +114,7 @@ def test_the_script_moves_on_when_the_derived_port_is_taken(slurm_cluster):
 
 
 def test_lesson10_on_two_nodes_ends_with_the_weights_of_one_node(slurm_cluster, catalogue):
-    args = ["--quick", "--max-steps", "25", "--seed", "3"]  # as the reference run "10: 4 ranks, torchrun"
+    args = list(reference_runs.LESSON10)  # as the reference run "10: 4 ranks, torchrun"
     two_nodes = slurm_cluster.workdir / "lesson10"
     output = salloc(slurm_cluster, "10_mnist_ddp_pt_multinode.py", *args, "--run-dir", two_nodes)
     one_node = catalogue("10: 4 ranks, torchrun").run_dir

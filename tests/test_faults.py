@@ -51,8 +51,10 @@ def files_under(path: Path) -> list:
 
 def socket_count(pid: int) -> int:
     """The sockets `pid` holds (TCP, UDP and Unix: psutil finds them among its open files)."""
+    process = psutil.Process(pid) if psutil.pid_exists(pid) else None
+    connections = getattr(process, "net_connections", None) or getattr(process, "connections", None)  # psutil < 6
     try:
-        return len(psutil.Process(pid).net_connections(kind="all"))
+        return len(connections(kind="all")) if connections else 0
     except psutil.Error:
         return 0
 

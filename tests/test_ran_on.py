@@ -64,7 +64,7 @@ def test_a_workers_record_reaches_the_controller_whole():
 @pytest.mark.slow
 def test_a_session_that_passes_writes_its_record_and_one_that_fails_writes_none(tmp_path):
     record = tmp_path / "r.json"
-    env = {"COURSE_RUN_RECORD": str(record)}
+    env = {"COURSE_RUN_RECORD": str(record), "COURSE_RECORD_DURATIONS": "0"}
     # two xdist workers, one test each: both workers' records reach the controller's.  (Two exercises' checks
     # run again here on purpose, in a pytest session of their own: the record is of what that session ran.)
     run([PYTHON, "-m", "pytest", "-p", "tests.ran_on", "-n", "2", "--dist", "load", "-q", "--durations=0",
