@@ -32,8 +32,7 @@ ASKED = "asked.txt"  # the names tests asked for, one a line, in the shared dire
 
 @dataclass(frozen=True)
 class Ref:
-    """One reference run.  args may hold "{run_dir}" (this run's own directory) and "{data}" (a directory
-    beside it, e.g. for a checkpoint dir).  launcher "self": `python SCRIPT ARGS` (the lesson's own launcher;
+    """One reference run.  args may hold "{run_dir}", this run's own directory.  launcher "self": `python SCRIPT ARGS` (the lesson's own launcher;
     ARGS say --nproc N, or the lesson's default holds); "torchrun": `torchrun --standalone
     --nproc_per_node=NPROC SCRIPT ARGS` (nproc is torchrun's; the plan() helper of reference_runs.py builds
     --nproc from it for the lesson's own launcher)."""
@@ -41,12 +40,11 @@ class Ref:
     args: tuple = ()
     launcher: str = "self"
     nproc: int = 1
-    env: tuple = ()  # ((name, value), ...): set on top of the tests' environment
     timeout: int = 300
     returncode: int = 0  # what the run must exit with; None: the tests judge it (a hang's repro fails)
 
     def command(self, run_dir: Path) -> list:
-        args = [str(a).format(run_dir=run_dir, data=run_dir.with_name(run_dir.name + ".data")) for a in self.args]
+        args = [str(a).format(run_dir=run_dir) for a in self.args]
         script = REPO / self.script
         if self.launcher == "self":
             return [PYTHON, script, *args]
@@ -92,12 +90,11 @@ class Catalogue:
 
     @staticmethod
     def _run(name: str, ref: Ref, run_dir: Path, result: Path) -> None:
-        for leftover in (run_dir, run_dir.with_name(run_dir.name + ".data")):  # of a runner that crashed
-            shutil.rmtree(leftover, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)  # a runner that crashed may have left it
         cmd = ref.command(run_dir)
         start = time.monotonic()
         try:
-            proc = run(cmd, check=False, timeout=ref.timeout, env=dict(ref.env))
+            proc = run(cmd, check=False, timeout=ref.timeout)
             code, out, err = proc.returncode, proc.stdout, proc.stderr
         except subprocess.TimeoutExpired as expired:  # recorded too: the next reader fails at once
             text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731

@@ -217,7 +217,6 @@ def pytest_collection_modifyitems(items):
 
 
 _seconds_per_test = {}
-_seconds_per_file = {}
 _cpu_per_file = {}
 _cpu_per_test = {}
 _notebooks = {}  # "executed" or "unchanged": how tests/test_notebooks.py checked each notebook
@@ -247,10 +246,9 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_runtest_logreport(report):
-    """Setup, call and teardown seconds, summed per test file (under xdist: in the controller, from every
-    worker's reports)."""
+    """Setup, call and teardown seconds, summed per test (under xdist: in the controller, from every worker's
+    reports)."""
     path = report.nodeid.split("::")[0]
-    _seconds_per_file[path] = _seconds_per_file.get(path, 0.0) + report.duration
     _seconds_per_test[report.nodeid] = _seconds_per_test.get(report.nodeid, 0.0) + report.duration
     for key, value in report.user_properties:
         if key == "notebook" and report.when == "call":
@@ -269,11 +267,10 @@ def pytest_sessionfinish(session, exitstatus):
         all(Path(a).resolve() == REPO / "tests" for a in config.args)
     if hasattr(config, "workerinput") or not whole or exitstatus != 0 or os.environ.get("CI", "").lower() != "true":
         return
-    from catalogue import unread
+    from catalogue import shared_root, unread
     from reference_runs import RUNS
 
-    root = config._tmp_path_factory.getbasetemp() / "reference-runs"
-    never = unread(root, RUNS)
+    never = unread(shared_root(config, config._tmp_path_factory), RUNS)
     if never:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
         config.get_terminal_writer().line(f"tests/reference_runs.py: no test read {never}: remove them or read them",
@@ -282,7 +279,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_terminal_summary(terminalreporter, config):
     """A table of the test files that took longest, in worker-seconds: what to make cheaper first."""
-    if hasattr(config, "workerinput") or not _seconds_per_file:
+    if hasattr(config, "workerinput") or not _seconds_per_test:
         return
     if not config.option.collectonly and os.environ.get("COURSE_RECORD_DURATIONS", "1") != "0":
         seconds = recorded_seconds()
@@ -294,11 +291,14 @@ def pytest_terminal_summary(terminalreporter, config):
             os.replace(partial, LAST_DURATIONS)  # a worker of the next run reads a whole record or the old one
         except OSError:  # a read-only checkout: the order stays the committed one
             partial.unlink(missing_ok=True)
-    total = sum(_seconds_per_file.values())
+    per_file = {}
+    for test, seconds in _seconds_per_test.items():
+        per_file[test.split("::")[0]] = per_file.get(test.split("::")[0], 0.0) + seconds
+    total = sum(per_file.values())
     terminalreporter.section("worker-seconds per test file")
-    for path, seconds in sorted(_seconds_per_file.items(), key=lambda kv: -kv[1])[:15]:
+    for path, seconds in sorted(per_file.items(), key=lambda kv: -kv[1])[:15]:
         terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:4.1f} %  {path}")
-    terminalreporter.write_line(f"{total:8.1f} s  in all, {len(_seconds_per_file)} files")
+    terminalreporter.write_line(f"{total:8.1f} s  in all, {len(per_file)} files")
     if _cpu_per_file:  # what the 2 cores spent on each file: the suite is CPU-bound
         total = sum(_cpu_per_file.values())
         terminalreporter.section("CPU-seconds per test file (its processes; not the test Slurm's jobs)")

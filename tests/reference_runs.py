@@ -5,8 +5,7 @@ session (tests/catalogue.py says how).  A test reads one with the `catalogue` fi
         one, ddp = catalogue("2: 30 steps, batch 64"), catalogue("4: per-param, 2 x 32")
 
 To add a lesson's reference run: one line here, `"N: what it is": Ref(SCRIPT, (ARGS...), launcher, nproc)`,
-with "{run_dir}" where the run writes its outputs; "{data}" names a second directory beside it (a log or
-checkpoint dir).  A name says the lesson's number first, then what sets the run apart.
+with "{run_dir}" where the run writes its outputs.  A name says the lesson's number first, then what sets the run apart.
 """
 from catalogue import Ref
 
