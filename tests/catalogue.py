@@ -32,10 +32,10 @@ ASKED = "asked.txt"  # the names tests asked for, one a line, in the shared dire
 
 @dataclass(frozen=True)
 class Ref:
-    """One reference run.  args may hold "{run_dir}", this run's own directory.  launcher "self": `python SCRIPT ARGS` (the lesson's own launcher;
-    ARGS say --nproc N, or the lesson's default holds); "torchrun": `torchrun --standalone
-    --nproc_per_node=NPROC SCRIPT ARGS` (nproc is torchrun's; the plan() helper of reference_runs.py builds
-    --nproc from it for the lesson's own launcher)."""
+    """One reference run.  args may hold "{run_dir}", this run's own directory.  launcher "self":
+    `python SCRIPT ARGS` (the lesson's own launcher; ARGS say --nproc N, or the lesson's default holds);
+    "torchrun": `torchrun --standalone --nproc_per_node=NPROC SCRIPT ARGS` (nproc is torchrun's; the plan()
+    helper of reference_runs.py builds --nproc from it for the lesson's own launcher)."""
     script: str
     args: tuple = ()
     launcher: str = "self"

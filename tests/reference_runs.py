@@ -38,8 +38,8 @@ RUNS = {
     "6: 2 x 32": Ref(L6, (*EQUAL, "--batch-size", "32", "--run-dir", "{run_dir}", "--nproc", "2")),
     "6: 4 x 16": Ref(L6, (*EQUAL, "--batch-size", "16", "--run-dir", "{run_dir}", "--nproc", "4")),
     # lesson 10 on one node, against two nodes (two local torchrun agents; the real two-node Slurm)
-    "10: 2 ranks, torchrun": Ref("day2/10_mnist_ddp_pt_multinode.py", (*LESSON10, "--run-dir", "{run_dir}"), "torchrun", 2),
-    "10: 4 ranks, torchrun": Ref("day2/10_mnist_ddp_pt_multinode.py", (*LESSON10, "--run-dir", "{run_dir}"), "torchrun", 4),
+    **{f"10: {n} ranks, torchrun": Ref("day2/10_mnist_ddp_pt_multinode.py", (*LESSON10, "--run-dir", "{run_dir}"),
+                                       "torchrun", n) for n in (2, 4)},
 }
 
 

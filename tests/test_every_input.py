@@ -240,11 +240,11 @@ def test_every_bad_environment_value_is_one_line_before_any_rank(lesson_main, le
 # started, one line, and nothing written under the test's tmp dir (its run dir, given where the lesson has one,
 # included).  Before each, every launcher variable is removed; `env` sets some again.  "FILE" and "MISSING" as
 # above.  Refusals that need more than a command line and its environment (damaged data, HDF5 files,
-# checkpoints, a port in use, the number of GPUs) are with the tests that make those.  One refusal per way of launching runs end to end in a fresh
-# interpreter, for the exit code the shell sees: the lesson's own launcher (tests/test_faults.py, lesson 12
-# --nproc 0), no launcher at all (tests/test_day2_lessons.py, lesson 10), torchrun's variables
-# (tests/test_day2_lessons.py, lesson 11 without its HDF5 file), srun's (tests/test_faults.py, a MASTER_PORT
-# in use).
+# checkpoints, a port in use, the number of GPUs) are with the tests that make those.  One refusal per way of
+# launching runs end to end in a fresh interpreter, for the exit code the shell sees: the lesson's own
+# launcher (tests/test_faults.py, lesson 12 --nproc 0), no launcher at all (tests/test_day2_lessons.py,
+# lesson 10), torchrun's variables (tests/test_day2_lessons.py, lesson 11 without its HDF5 file), srun's
+# (tests/test_faults.py, a MASTER_PORT in use).
 L4, L12 = "day1/4_mnist_manual_ddp.py", "day2/12_ddp_fault_tolerance.py"
 TP, MESH, PIPELINE = "day4/19_tensor_parallel.py", "day4/20_device_mesh_2d.py", "day4/21_pipeline_parallel.py"
 OUTSIDE = "this multi-node lesson does not start its own processes"
