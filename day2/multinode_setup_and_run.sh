@@ -19,14 +19,18 @@
 #   --launcher torchrun  one torchrun agent per node, each starting the node's ranks (c10d rendezvous at
 #                        MASTER_ADDR:MASTER_PORT); the lesson reads RANK/LOCAL_RANK/WORLD_SIZE
 # It sets up what every rank needs to find the others, then starts the ranks:
-#   MASTER_ADDR  the first host of the allocation (`scontrol show hostnames`): rank 0 runs there
+#   MASTER_ADDR  the first host of the allocation (`scontrol show hostnames`): rank 0 runs there.  A site whose
+#                nodes reach each other by other names (JSC: the name with an `i`, on InfiniBand) sets
+#                SITE_MASTER_ADDR='{host}i' in its profile; an exported MASTER_ADDR is kept.  Either is checked
+#                on that node: one of its addresses (and no loopback one with more nodes), or one line
 #   MASTER_PORT  derived from the job id (two jobs on one node get different ports), checked free there
 # srun --kill-on-bad-exit=1: if one rank dies, the others are stopped instead of waiting for it forever.
 # The profile's sbatch options (account, partition, GPUs) are not applied here: give them to salloc/sbatch
 # (`slurm/submit.sh 9 --site mycluster --dry-run` prints them).
 # Environment: COURSE_SITE (same as --site), LAUNCHER (same as --launcher), PYTHON (default: python3 on PATH
-# after the site set-up; without a profile the repository's .venv), MASTER_PORT (skip the derived one),
-# NPROC_PER_NODE (torchrun: ranks per node, default: tasks per node).
+# after the site set-up; without a profile the repository's .venv), MASTER_ADDR (rank 0's address, instead of
+# the first node's name), MASTER_PORT (skip the derived one), NPROC_PER_NODE (torchrun: ranks per node,
+# default: tasks per node), SITE_MASTER_ADDR (as in a profile).
 set -euo pipefail
 
 usage() {
@@ -119,19 +123,46 @@ TASKS_PER_NODE="${SLURM_NTASKS_PER_NODE:-${SLURM_TASKS_PER_NODE:-1}}"
 TASKS_PER_NODE="${TASKS_PER_NODE%%[(,]*}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-$TASKS_PER_NODE}"
 
-MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
-if [[ -z "$MASTER_ADDR" ]]; then
+FIRST_NODE="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)" || true
+if [[ -z "$FIRST_NODE" ]]; then
     echo "error: cannot expand the node list '$SLURM_JOB_NODELIST' with scontrol" >&2
     exit 1
 fi
-if [[ -z "${MASTER_PORT:-}" ]]; then
-    MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))   # the formula of course/launching/ports.py: all ranks agree
-    # Check it on the node where rank 0 will listen (not here: salloc's shell runs on the login node).  As the
-    # lesson's own check (course/launching/ports.py): a port left in TIME_WAIT by this job's previous step is
-    # free.  If a live listener holds it, the kernel picks a free port from its ephemeral range (above 32767 as Linux
-    # ships): never 10000..29999, where other jobs' derived ports are.
-    MASTER_PORT="$(srun --nodes=1 --ntasks=1 --nodelist="$MASTER_ADDR" --kill-on-bad-exit=1 "$PYTHON" -c '
+# Rank 0 runs on the first node; the ranks reach it at MASTER_ADDR: an exported one as it is, else the site
+# profile's SITE_MASTER_ADDR made from the node's name (e.g. {host}i), else the node's name (slurm/lib/site.sh).
+course_master_addr "$FIRST_NODE"
+CHECK_ADDR=""
+if [[ "$MASTER_ADDR" != "$FIRST_NODE" ]]; then
+    CHECK_ADDR="$MASTER_ADDR"  # a name of the first node? checked there, with the port
+fi
+if [[ -z "${MASTER_PORT:-}" || -n "$CHECK_ADDR" ]]; then
+    # Check the port (the formula of course/launching/ports.py: all ranks agree) on the node where rank 0 will
+    # listen (not here: salloc's shell runs on the login node).  As the lesson's own check
+    # (course/launching/ports.py): a port left in TIME_WAIT by this job's previous step is free.  If a live
+    # listener holds it, the kernel picks a free port from its ephemeral range (above 32767 as Linux ships):
+    # never 10000..29999, where other jobs' derived ports are.  A MASTER_ADDR not of this node (or a loopback
+    # one, with more nodes) is one line.
+    CHECKED="$(srun --nodes=1 --ntasks=1 --nodelist="$FIRST_NODE" --kill-on-bad-exit=1 "$PYTHON" -c '
 import socket, sys
+addr, nodes, given, origin = sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+host, problem = socket.gethostname(), ""
+if addr:
+    try:
+        ip = socket.gethostbyname(addr)
+        with socket.socket() as s:
+            s.bind((ip, 0))
+    except OSError as e:
+        problem = f"is not an address of {host}, the job\x27s first node, where rank 0 listens ({e.strerror or e})"
+    else:
+        if ip.startswith("127.") and nodes > 1:
+            problem = f"is {ip}: on each of the {nodes} nodes that node itself, where no rank 0 listens"
+if problem:
+    print(f"error: MASTER_ADDR={addr} ({origin}) {problem}; unset MASTER_ADDR, or give a name of {host} that every "
+          f"node reaches (SITE_MASTER_ADDR in the site profile, e.g. {{host}}i).")
+    sys.exit()
+if given:
+    print(given)
+    sys.exit()
 derived = int(sys.argv[1])
 with socket.socket() as s:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -144,12 +175,17 @@ with socket.socket() as s:
 with socket.socket() as s:
     s.bind(("", 0))
     print(s.getsockname()[1])
-' "$MASTER_PORT")"
+' "$((10000 + SLURM_JOB_ID % 20000))" "$CHECK_ADDR" "$NNODES" "${MASTER_PORT:-}" "$MASTER_ADDR_FROM")"
+    if [[ "$CHECKED" == error:* ]]; then
+        echo "$CHECKED No rank was started." >&2
+        exit 1
+    fi
+    MASTER_PORT="$CHECKED"
 fi
 export MASTER_ADDR MASTER_PORT
 
 echo "multinode: job $SLURM_JOB_ID, $NNODES node(s) ($SLURM_JOB_NODELIST), launcher $LAUNCHER," \
-     "rank 0 at $MASTER_ADDR:$MASTER_PORT"
+     "rank 0 at $MASTER_ADDR:$MASTER_PORT${CHECK_ADDR:+ ($MASTER_ADDR_FROM)}"
 echo "multinode: $PYTHON $LESSON $*"
 
 if [[ "$LAUNCHER" == srun ]]; then
@@ -166,9 +202,13 @@ else
         GPUS_PER_AGENT=(--gpus-per-node="${GPU_TYPE}$((PER_RANK * TASKS_PER_NODE))")
         unset SLURM_GPUS_PER_TASK
     fi
+    # The agent on the first node (SLURM_NODEID 0, read in each task) hosts the rendezvous: torchrun would guess
+    # it from MASTER_ADDR and the node's own name and addresses, and a name on another network ({host}i) that
+    # the node's name does not resolve to would leave every agent a client, waiting for a host that never comes.
     srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
         --cpus-per-task=$((TASKS_PER_NODE * CPUS_PER_TASK)) ${GPUS_PER_AGENT[@]+"${GPUS_PER_AGENT[@]}"} \
-        "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" \
+        bash -c 'exec "$0" -m torch.distributed.run --rdzv_conf=is_host=$((SLURM_NODEID == 0)) "$@"' "$PYTHON" \
+        --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" \
         --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="$SLURM_JOB_ID" \
         "$LESSON" "$@"
 fi

@@ -79,16 +79,20 @@ else
     NNODES="${SLURM_JOB_NUM_NODES:-1}"
     TASKS_PER_NODE="${SLURM_NTASKS_PER_NODE:-${SLURM_TASKS_PER_NODE:-1}}"
     TASKS_PER_NODE="${TASKS_PER_NODE%%[(,]*}"  # "4(x2)" or "4,2": torchrun starts as many ranks on every node
-    HEAD="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
+    # the first node, or the name job_start made from it with the profile's SITE_MASTER_ADDR, or yours (exported)
+    HEAD="${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)}"
     PORT="${MASTER_PORT:-$((10000 + SLURM_JOB_ID % 20000))}"  # from the job id, as course/launching/ports.py derives it
     # After a restart the workers could read the previous round's addresses from torchrun's shared store
     # (pytorch/pytorch#135712): a store of their own per round.
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     echo "+ srun ... torchrun --max-restarts=$MAX_RESTARTS --signals-to-handle=...,SIGUSR1 $LESSON $*" \
          "($NNODES node(s) x $TASKS_PER_NODE ranks, rendezvous at $HEAD:$PORT)"
+    # the first node's agent hosts the rendezvous (is_host, read in each task): torchrun's own guess fails for a
+    # HEAD on another network than the node's name (SITE_MASTER_ADDR={host}i; day2/multinode_setup_and_run.sh)
     srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
         --cpus-per-task=$((TASKS_PER_NODE * ${SLURM_CPUS_PER_TASK:-1})) \
-        "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$TASKS_PER_NODE" \
+        bash -c 'exec "$0" -m torch.distributed.run --rdzv_conf=is_host=$((SLURM_NODEID == 0)) "$@"' "$PYTHON" \
+        --nnodes="$NNODES" --nproc_per_node="$TASKS_PER_NODE" \
         --rdzv_backend=c10d --rdzv_endpoint="$HEAD:$PORT" --rdzv_id="$SLURM_JOB_ID" \
         --max-restarts="$MAX_RESTARTS" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
         "$LESSON" "$@" &

@@ -20,8 +20,9 @@
 # --test-only             ask Slurm whether and when it would run the job (sbatch --test-only), submit nothing
 # --no-check              submit without asking Slurm first (by default a refused option fails before submission)
 # --interactive           no lesson: a shell on a compute node with the profile's options and site set-up
-#                         (srun --pty; one task with the cores and GPUs of a node's ranks), or, with a command
-#                         after --, that command there:  slurm/submit.sh --interactive --site NAME -- ./quickstart.sh
+#                         (srun --ntasks=1 --pty: one task with the cores and GPUs of a node's ranks), or,
+#                         with a command after --, that command there:
+#                           slurm/submit.sh --interactive --site NAME -- ./quickstart.sh
 #                         With --nodes 2: salloc, whose shell holds 2 nodes for day2/multinode_setup_and_run.sh
 #
 # Every SITE_* value may also come from the environment, which wins over the profile:
@@ -158,6 +159,9 @@ esac
 [[ -z "${SITE_GPU_TYPE:-}" || "$SITE_GPU_TYPE" =~ ^[A-Za-z0-9_.-]+$ ]] ||
     die "$(origin SITE_GPU_TYPE) is '$SITE_GPU_TYPE': a GPU type name such as a100 or v100 (no count, no colon:" \
         "the count comes from SITE_GPUS_PER_NODE or --gpus-per-node)"
+problem="$(course_master_addr_problem "${SITE_MASTER_ADDR:-}")"
+[[ -z "$problem" ]] ||
+    die "$(origin SITE_MASTER_ADDR) is '$SITE_MASTER_ADDR': $problem; write e.g. '{host}i', or leave it empty"
 for var in SITE_GPUS_PER_NODE SITE_TASKS_PER_NODE SITE_CPUS_PER_TASK; do
     [[ -z "${!var:-}" ]] || is_count "${!var}" || die "$(origin $var) is '${!var}': a whole number"
 done

@@ -191,6 +191,7 @@ class SlurmCluster:
         self.veth = {node: _veth_name(self.tag, index) for index, node in enumerate(self.nodes, 1)}
         self.subnet: ipaddress.IPv4Network | None = None
         self.node_ip: dict[str, str] = {}
+        self.node_fast_ip: dict[str, str] = {}  # a second address of each node, named <node>i (see _write_config)
         self._children: list[subprocess.Popen] = []  # to reap them, so they do not stay zombies
         self._owns_root = False  # never tear down a directory that another session created
 
@@ -341,6 +342,7 @@ class SlurmCluster:
         base = self.subnet.network_address
         self.controller_ip = str(base + 1)  # on the bridge
         self.node_ip = {node: str(base + 10 + i) for i, node in enumerate(self.nodes, 1)}  # .11, .12
+        self.node_fast_ip = {node: str(base + 20 + i) for i, node in enumerate(self.nodes, 1)}  # .21, .22
         prefix = self.subnet.prefixlen
 
         _sh("ip", "link", "add", self.bridge, "type", "bridge")
@@ -354,6 +356,7 @@ class SlurmCluster:
             _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
             _sh("ip", "link", "set", veth, "master", self.bridge, "up")
             _sh("ip", "-n", ns, "addr", "add", f"{self.node_ip[node]}/{prefix}", "dev", "eth0")
+            _sh("ip", "-n", ns, "addr", "add", f"{self.node_fast_ip[node]}/{prefix}", "dev", "eth0")
             _sh("ip", "-n", ns, "link", "set", "eth0", "up")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
 
@@ -418,11 +421,13 @@ PartitionName={self.partition} Nodes={','.join(self.nodes)} Default=YES MaxTime=
         for node in self.nodes:
             # Bind-mounted over /etc/hosts inside the node only; the machine's /etc/hosts is untouched.
             # Each node name must resolve to its bridge address, not 127.0.0.1, or gloo connects to
-            # the wrong place.
+            # the wrong place.  Each node's second address has the node's name with an `i`, as JSC's
+            # nodes have on their InfiniBand network (a site profile's SITE_MASTER_ADDR='{host}i'): a name
+            # the node's own host name does not resolve to.
             (root / "etc" / f"hosts.{node}").write_text(
                 "127.0.0.1 localhost\n::1 localhost\n"
                 f"{self.controller_ip} {hostname}\n"
-                + "".join(f"{ip} {name}\n" for name, ip in self.node_ip.items())
+                + "".join(f"{ip} {name}\n{self.node_fast_ip[name]} {name}i\n" for name, ip in self.node_ip.items())
             )
 
     def _start_slurmctld(self) -> None:

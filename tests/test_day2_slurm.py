@@ -7,6 +7,7 @@ directory, not the repository: the script must find its lessons and the reposito
 import json
 import os
 import re
+import shlex
 import sys
 import time
 
@@ -15,6 +16,7 @@ import torch
 
 import reference_runs
 from conftest import REPO, metrics
+from course.launching.environment import ONE_TASK_SHELL
 from course.training.output import load_weights
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -72,6 +74,42 @@ def test_lesson9_under_sbatch(slurm_cluster, site_probe, launcher):
     assert code == 0, output
     check_lesson9(output, launcher)
     site_probe.check(output)
+
+
+def test_rank0s_address_comes_from_the_profile_or_your_export_and_is_checked_on_the_first_node(slurm_cluster,
+                                                                                             tmp_path):
+    """A profile's SITE_MASTER_ADDR='{host}i' (JSC's InfiniBand names; the test nodes answer to node1i too) is
+    where the ranks meet, an exported MASTER_ADDR (node1's IP, under torchrun) is kept, and one that is not the
+    first node's (node2), or a loopback one, is one line before any rank (before: the script overwrote
+    MASTER_ADDR with the first node's name, whatever the site needed)."""
+    profile = tmp_path / "ib.env"
+    profile.write_text(f"SITE_MASTER_ADDR='{{host}}i'\nsite_setup() {{\n    export PYTHON={sys.executable}\n}}\n")
+    output = salloc(slurm_cluster, "--site", profile, "9_torch_dist_multi_node.py")
+    assert re.search(r"launcher srun, rank 0 at node1i:(\d+) \(SITE_MASTER_ADDR=\{host\}i\)\n", output), output
+    assert re.search(r"^4 ranks on 2 node\(s\), launched by srun; rank 0 listened on node1i:\d+;", output,
+                     flags=re.M), output
+    # torchrun's agents meet at node1i, an address that node1's own name does not resolve to: the agent on the
+    # first node must host the rendezvous all the same (torchrun would guess from the names: no agent would)
+    output = salloc(slurm_cluster, "--site", profile, "--launcher", "torchrun", "9_torch_dist_multi_node.py")
+    assert "launcher torchrun, rank 0 at node1i:" in output, output
+    assert output.count("all_reduce(SUM) = 10, mean = 2.5") == 4, output
+    ip = slurm_cluster.node_ip["node1"]
+    ran = slurm_cluster.run(["env", f"MASTER_ADDR={ip}", "salloc", *TWO_BY_TWO, str(SCRIPT), "--launcher",
+                             "torchrun", "9_torch_dist_multi_node.py"], timeout=300)
+    output = ran.stdout + ran.stderr
+    assert ran.returncode == 0 and f"launcher torchrun, rank 0 at {ip}:" in output, output
+    assert output.count("all_reduce(SUM) = 10, mean = 2.5") == 4, output
+    for addr, said in [("node2", "is not an address of node1, the job's first node, where rank 0 listens"),
+                       ("localhost", "is 127.0.0.1: on each of the 2 nodes that node itself, where no rank 0 "
+                                     "listens")]:
+        ran = slurm_cluster.run(["env", f"MASTER_ADDR={addr}", "salloc", *TWO_BY_TWO, str(SCRIPT),
+                                 "9_torch_dist_multi_node.py"], timeout=120)
+        errors = [line for line in ran.stderr.splitlines() if line.startswith("error: ")]
+        assert ran.returncode == 1 and len(errors) == 1, ran.stdout + ran.stderr
+        assert errors[0].startswith(f"error: MASTER_ADDR={addr} (exported) {said}") and errors[0].endswith(
+            "; unset MASTER_ADDR, or give a name of node1 that every node reaches (SITE_MASTER_ADDR in the site "
+            "profile, e.g. {host}i). No rank was started."), errors[0]
+        assert "[rank" not in ran.stdout + ran.stderr
 
 
 HOLD_PORT = """
@@ -186,6 +224,36 @@ sys.exit(code)
 """
 DCP = ["--train-samples", "640", "--seed", "5", "--loader", "memory", "--width", "32", "--depth", "2", "--heads",
        "2", "--checkpoint-every", "3"]
+RUNNING_LESSONS = REPO / "docs" / "learners" / "running-lessons.md"
+ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # a terminal's: bash's bracketed-paste switches
+
+
+def documented(start: str) -> str:
+    """The one command line of docs/learners/running-lessons.md that starts with `start` (its comment dropped)."""
+    found = [line.split("  #")[0].strip() for line in RUNNING_LESSONS.read_text().splitlines()
+             if line.startswith(start)]
+    assert len(found) == 1, (start, found)
+    return found[0]
+
+
+def docs_interactive_shell(salloc_start: str = "salloc --nodes 1 "):
+    """The JupyterLab route of docs/learners/running-lessons.md as typed there: its salloc line (the test nodes
+    have 2 GPUs where the docs ask for 4) running its shell command on the compute node in a terminal (`script`
+    gives srun --pty one): the list to run, with the shell's input (the lines typed there) to give it."""
+    salloc = [word.replace("--gpus-per-node=4", "--gpus-per-node=2") for word in shlex.split(documented(salloc_start))]
+    shell = documented("srun --ntasks=1 ")
+    assert shell == ONE_TASK_SHELL  # the command the lessons' one line gives (course/launching/environment.py)
+    return in_a_terminal(salloc, shell)
+
+
+def in_a_terminal(salloc: list, shell: str) -> list:
+    """`salloc ... script ... SHELL`: salloc's command runs SHELL in a terminal (srun --pty needs one)."""
+    return [*salloc, "script", "--quiet", "--return", "--command", shell, "/dev/null"]
+
+
+def typed(output: str) -> str:
+    """What a terminal showed, as plain lines."""
+    return ESCAPES.sub("", output.replace("\r\n", "\n"))
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +269,7 @@ def launched(slurm_cluster, dataset):
     one_task_step = (f"{python} {lesson0} --nproc 2 && "
                      f"{python} {lesson16} {dcp} --nproc 4 --batch-size 16 --max-steps 3 --run-dir {work}/dcp/w4 && "
                      f"{python} {lesson16} {dcp} --nproc 2 --batch-size 32 --max-steps 6 --resume "
-                     f"--run-dir {work}/dcp/r2")
+                     f"--run-dir {work}/dcp/r2\nexit $?\n")  # typed into the shell: the exit code is the chain's
     cases = {
         "per-task": ["srun", "-N1", "-n2", "--gpus-per-task=1", python, probe, "per-task"],
         "map_gpu": ["srun", "-N1", "-n2", "--gres=gpu:2", "--gpu-bind=map_gpu:1,0", python, probe, "map_gpu"],
@@ -211,15 +279,17 @@ def launched(slurm_cluster, dataset):
         # gets the GPUs of all its ranks
         "multinode": ["salloc", *TWO_BY_TWO, "--gpus-per-task=1", "bash", "-c",
                       f"{SCRIPT} {probe} multinode-srun && {SCRIPT} --launcher torchrun {probe} multinode-torchrun"],
-        # the step `srun --pty bash` gives, in an allocation of 4 tasks: the lesson starts --nproc ranks
-        "one-task step": ["salloc", "-N1", "-n4", "srun", "-n1", "bash", "-c", one_task_step],
+        # the docs' shell on a compute node (JupyterLab's route), in their allocation of 4 tasks: the lesson
+        # starts --nproc ranks
+        "one-task step": (docs_interactive_shell(), one_task_step),
         "two-task step": ["salloc", "-N1", "-n2", "srun", "-n2", python, lesson0, "--nproc", "3"],
     }
     done = {}
-    for name, cmd in cases.items():
+    for name, case in cases.items():
+        cmd, typed_in = case if isinstance(case, tuple) else (case, None)
         start = time.monotonic()
-        ran = slurm_cluster.run(cmd, cwd=work, timeout=600)
-        done[name] = (ran.returncode, ran.stdout + ran.stderr)
+        ran = slurm_cluster.run(cmd, cwd=work, timeout=600, input=typed_in)
+        done[name] = (ran.returncode, typed(ran.stdout + ran.stderr))
         print(f"{name}: exit code {ran.returncode} after {time.monotonic() - start:.1f} s")  # shown with -s
     return work, done
 
@@ -269,9 +339,9 @@ def test_day2_script_gives_torchruns_agent_the_gpus_of_all_its_ranks(launched):
 
 
 def test_nproc_in_a_one_task_step_starts_that_many_ranks_and_lesson16_resumes_4_to_2(launched):
-    """Inside an allocation's one-task step (what `srun --pty bash` gives on a compute node), an explicit
-    --nproc starts that many ranks (before: one rank, silently), and lesson 16's documented 4 -> 2 resume
-    works: the world size its resume check uses is --nproc's, not the step's one task."""
+    """In the docs' shell on a compute node (their salloc, then their `srun --ntasks=1 ... --pty bash`, typed
+    into a terminal), an explicit --nproc starts that many ranks (before: one rank, silently), and lesson 16's
+    documented 4 -> 2 resume works: the world size its resume check uses is --nproc's, not the step's one task."""
     work, done = launched
     code, output = done["one-task step"]
     assert code == 0, output
@@ -290,6 +360,24 @@ def test_nproc_that_disagrees_with_a_multi_task_step_is_one_line(launched):
     assert code != 0, output
     assert output.count("error: --nproc 3 inside a Slurm step of 2 tasks: srun has started 2 ranks") == 1, output
     assert "all_reduce" not in output
+
+
+def test_a_lesson_in_the_shell_of_a_plain_srun_pty_in_an_allocation_of_4_tasks_is_one_line_at_once(slurm_cluster):
+    """The docs' allocation of 4 tasks, then a plain `srun --pty bash` (the old docs' command): a step of 4 tasks
+    whose task 0 is the shell, the other 3 ended at once.  A lesson started there, without and with --nproc,
+    stops at once with one line that gives the docs' one-task command (before: without --nproc it waited for
+    ranks 1-3 until its --timeout; with --nproc 2 it said srun had started 4 ranks)."""
+    docs = docs_interactive_shell()
+    command = in_a_terminal(docs[:docs.index("script")], "srun --pty bash")
+    lesson = f"{sys.executable} {REPO / 'day1' / '0_torch_dist.py'} --timeout 60"
+    lines = f'{lesson}; echo "exit code $?"\n{lesson} --nproc 2; echo "exit code $?"\nexit\n'
+    start = time.monotonic()
+    ran = slurm_cluster.run(command, timeout=300, input=lines)
+    seconds, output = time.monotonic() - start, typed(ran.stdout + ran.stderr)
+    said = [line for line in output.splitlines() if "error: this shell is task 0 of a Slurm step of 4 tasks" in line]
+    assert len(said) == 2 and all(line.endswith(f"open a one-task shell: {ONE_TASK_SHELL}") for line in said), output
+    assert re.findall(r"^exit code (\d+)$", output, flags=re.M) == ["1", "1"], output
+    assert "all_reduce" not in output and seconds < 40, (seconds, output)
 
 
 @pytest.mark.parametrize("launcher", ["srun", "torchrun"])

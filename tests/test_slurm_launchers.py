@@ -258,6 +258,96 @@ def test_multinode_script_stops_on_a_bad_profile_before_any_rank(case, tmp_path)
     assert not calls.exists(), calls.read_text()
 
 
+def fake_slurm(tmp_path) -> tuple:
+    """(environment, the file of calls): an allocation of node1 and node2, 2 tasks each (job 7), whose srun,
+    scontrol and squeue are fakes first on PATH.  srun records its arguments and the MASTER_ADDR it was given,
+    and runs nothing; the port check (an srun with --nodelist) answers port 10007."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    fakes = {"scontrol": 'printf "node1\\nnode2\\n"', "squeue": "true",
+             "srun": '[[ " $* " != *" --nodelist="* ]] || echo 10007'}
+    for tool, answer in fakes.items():
+        (bin_dir / tool).write_text(f'#!/bin/bash\necho "{tool} $* (MASTER_ADDR=${{MASTER_ADDR:-}})" >> {calls}\n'
+                                    f"{answer}\n")
+        (bin_dir / tool).chmod(0o755)
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("SLURM_", "SITE_", "COURSE_SITE")) and key not in ("MASTER_ADDR", "MASTER_PORT")}
+    env.update({"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-2]",
+                "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2",
+                "PYTHON": sys.executable, "COURSE_REPO": str(REPO)})
+    return env, calls
+
+
+MASTER_ADDRS = {
+    # case: (exported MASTER_ADDR, the profile's SITE_MASTER_ADDR, rank 0's address, what the script says of it)
+    "the first node": (None, None, "node1", ""),
+    "exported": ("node1-fast", None, "node1-fast", " (exported)"),
+    "the profile's template": (None, "{host}i", "node1i", " (SITE_MASTER_ADDR={host}i)"),
+    "exported, beside a template": ("10.0.0.1", "{host}i", "10.0.0.1", " (exported)"),
+}
+
+
+@pytest.mark.parametrize("case", MASTER_ADDRS)
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+def test_multinode_script_keeps_an_exported_master_addr_or_makes_it_with_the_profile(case, launcher, tmp_path):
+    """day2/multinode_setup_and_run.sh with a faked Slurm: the ranks' srun, or torchrun's rendezvous, gets an
+    exported MASTER_ADDR as it is, else the profile's SITE_MASTER_ADDR made from the first node's name (JSC's
+    {host}i: the node on InfiniBand), else that name; the port is checked on the first node by its Slurm name
+    (before: MASTER_ADDR was always overwritten with the first node's name)."""
+    exported, template, addr, said = MASTER_ADDRS[case]
+    env, calls = fake_slurm(tmp_path)
+    if exported:
+        env["MASTER_ADDR"] = exported
+    profile = tmp_path / "site.env"
+    profile.write_text(f"SITE_MASTER_ADDR='{template}'\n" if template else "SITE_DESCRIPTION=plain\n")
+    done = subprocess.run(["bash", str(REPO / "day2/multinode_setup_and_run.sh"), "--site", str(profile),
+                           "--launcher", launcher, "9_torch_dist_multi_node.py"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"launcher {launcher}, rank 0 at {addr}:10007{said}\n" in done.stdout, done.stdout
+    sruns = [line for line in calls.read_text().splitlines() if line.startswith("srun ")]
+    assert len(sruns) == 2 and " --nodelist=node1 " in sruns[0], sruns  # the port check, on the node by name
+    assert sruns[1].endswith(f"(MASTER_ADDR={addr})"), sruns[1]
+    assert launcher == "srun" or f" --rdzv_endpoint={addr}:10007 " in sruns[1], sruns[1]
+
+
+@pytest.mark.parametrize("template, said", [
+    ("node1i", "it has no {host} (the name of the job's first node), so every job would meet at one address"),
+    ("{host} i", "only letters, digits, '.', '-' and '_' may stand beside {host}"),
+])
+def test_a_bad_site_master_addr_is_one_line_before_any_srun(template, said, tmp_path):
+    env, calls = fake_slurm(tmp_path)
+    profile = tmp_path / "site.env"
+    profile.write_text(f"SITE_MASTER_ADDR='{template}'\n")
+    done = subprocess.run(["bash", str(REPO / "day2/multinode_setup_and_run.sh"), "--site", str(profile),
+                           "9_torch_dist_multi_node.py"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=120)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stdout + done.stderr
+    assert done.stderr.startswith(f"error: SITE_MASTER_ADDR='{template}' ({profile}): {said}; write e.g. "
+                                  "'{host}i'"), done.stderr
+    assert "srun " not in calls.read_text()
+    shown = submit("10", "--site", profile, "--dry-run", env={"SITE_GPU_FLAG": "none"})  # submit.sh: the same
+    assert shown.returncode == 1 and f"SITE_MASTER_ADDR in {profile} is '{template}': {said}" in shown.stderr
+
+
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+def test_lesson12s_launcher_uses_the_profiles_master_addr(launcher, tmp_path):
+    """slurm/12_ddp_fault_tolerance.sh (faked Slurm) with a profile of SITE_MASTER_ADDR='{host}i': job_start
+    exports node1i for the ranks' srun, and torchrun's rendezvous meets there (before: the first node's name,
+    and the lessons under srun took it themselves)."""
+    env, calls = fake_slurm(tmp_path)
+    profile = tmp_path / "site.env"
+    profile.write_text("SITE_MASTER_ADDR='{host}i'\n")
+    env.update({"COURSE_SITE": str(profile), "LAUNCHER": launcher})
+    done = subprocess.run(["bash", str(SLURM / "12_ddp_fault_tolerance.sh"), "--quick"], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"^  MASTER_ADDR +node1i$", done.stdout, flags=re.M), done.stdout  # the job's settings
+    sruns = [line for line in calls.read_text().splitlines() if line.startswith("srun ")]
+    assert len(sruns) == 1 and sruns[0].endswith("(MASTER_ADDR=node1i)"), sruns
+    assert launcher == "srun" or " --rdzv_endpoint=node1i:10007 " in sruns[0], sruns
+
+
 def job_start(env, cwd) -> subprocess.CompletedProcess:
     """A launcher's first lines (slurm/lib/job.sh job_start), outside Slurm; "+ srun reached" if they pass."""
     return subprocess.run(["bash", "-c", 'set -euo pipefail; source "$COURSE_REPO/slurm/lib/job.sh"; job_start; '

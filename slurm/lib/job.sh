@@ -52,6 +52,12 @@ job_start() {
     # same job, finds it done (COURSE_SITE_READY) and does not run it again.
     course_site_resolve ""
     course_site_setup
+    # A site whose nodes reach each other by other names (SITE_MASTER_ADDR, e.g. {host}i): rank 0's address for
+    # every step of the job (the lessons, lesson 12's torchrun, multinode_setup_and_run.sh, which keeps it).
+    # Without it the lessons take the first node's name themselves; an exported MASTER_ADDR is kept.
+    if [[ -n "${SITE_MASTER_ADDR:-}" && -z "${MASTER_ADDR:-}" ]]; then
+        course_master_addr "$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | head -n1)"
+    fi
     # Each rank gets the cores of its task: as many threads, no more (the node may have many more cores).
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"
     # Since Slurm 22.05 srun no longer inherits --cpus-per-task from the batch job: pass it on.
@@ -74,7 +80,7 @@ job_start() {
     _job_setting "time limit" "$(squeue --noheader --format=%l --job "${SLURM_JOB_ID:-0}" 2>/dev/null || true)"
     _job_setting "python" "$PYTHON ($("$PYTHON" --version 2>&1))"
     local var
-    for var in NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME NCCL_DEBUG HDF5_USE_FILE_LOCKING MASTER_PORT; do
+    for var in NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME NCCL_DEBUG HDF5_USE_FILE_LOCKING MASTER_ADDR MASTER_PORT; do
         _job_setting "$var" "${!var:-}"
     done
     _job_setting "lesson args" "$*"

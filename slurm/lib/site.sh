@@ -10,7 +10,7 @@
 COURSE_SITE_VARS=(
     SITE_DESCRIPTION SITE_ACCOUNT SITE_ACCOUNT_REQUIRED SITE_ACCOUNT_SUFFIX SITE_PARTITION SITE_QOS
     SITE_CONSTRAINT SITE_RESERVATION SITE_GPU_FLAG SITE_GPU_TYPE SITE_GPUS_PER_NODE SITE_TASKS_PER_NODE
-    SITE_CPUS_PER_TASK SITE_SBATCH_EXTRA
+    SITE_CPUS_PER_TASK SITE_SBATCH_EXTRA SITE_MASTER_ADDR
 )
 
 # The directory of the profiles shipped with the course.
@@ -154,6 +154,53 @@ course_site_setup() {
         exit 1
     fi
     export PYTHON
+}
+
+# SITE_MASTER_ADDR: the name by which every node reaches rank 0, made from the name of the job's first node,
+# written {host}: '{host}i' where the nodes' fast network has names of their own (JSC: jwb0001i is jwb0001 on
+# InfiniBand), '{host}-ib', '{host}.ib.example.org'.  Empty: the node's name as Slurm gives it.  What is wrong
+# with $1 as such a template (one phrase), or nothing.
+course_master_addr_problem() {
+    local template="$1"
+    if [[ -n "$template" && "$template" != *"{host}"* ]]; then
+        echo "it has no {host} (the name of the job's first node), so every job would meet at one address"
+    elif [[ ! "${template//"{host}"/}" =~ ^[A-Za-z0-9._-]*$ ]]; then
+        echo "only letters, digits, '.', '-' and '_' may stand beside {host}"
+    fi
+}
+
+# MASTER_ADDR, exported for the ranks, for a job whose first node is $1: an exported MASTER_ADDR as it is (you
+# chose it), else SITE_MASTER_ADDR (of the profile or the environment) with {host} replaced by $1, else $1.
+# MASTER_ADDR_FROM says which.  A bad SITE_MASTER_ADDR, or no node name: one line on stderr and exit 1.
+course_master_addr() {
+    local host="$1" problem
+    if [[ -n "${MASTER_ADDR:-}" ]]; then
+        MASTER_ADDR_FROM="exported"
+        if [[ "${COURSE_MASTER_ADDR_MADE:-}" == "$MASTER_ADDR "* ]]; then  # made here, by the job script
+            MASTER_ADDR_FROM="${COURSE_MASTER_ADDR_MADE#* }"
+        fi
+        export MASTER_ADDR
+        return 0
+    fi
+    problem="$(course_master_addr_problem "${SITE_MASTER_ADDR:-}")"
+    if [[ -n "$problem" ]]; then
+        echo "error: SITE_MASTER_ADDR='$SITE_MASTER_ADDR' (${COURSE_SITE_FILE:-from the environment}): $problem;" \
+             "write e.g. '{host}i', or leave it empty for the node's own name. No rank was started." >&2
+        exit 1
+    fi
+    if [[ -z "$host" ]]; then
+        echo "error: cannot expand the node list '${SLURM_JOB_NODELIST:-}' with scontrol; export MASTER_ADDR=<the" \
+             "first node's name>. No rank was started." >&2
+        exit 1
+    fi
+    if [[ -n "${SITE_MASTER_ADDR:-}" ]]; then
+        MASTER_ADDR="${SITE_MASTER_ADDR//"{host}"/$host}"
+        MASTER_ADDR_FROM="SITE_MASTER_ADDR=$SITE_MASTER_ADDR"
+    else
+        MASTER_ADDR="$host"
+        MASTER_ADDR_FROM="the job's first node"
+    fi
+    export MASTER_ADDR COURSE_MASTER_ADDR_MADE="$MASTER_ADDR $MASTER_ADDR_FROM"
 }
 
 _course_site_setup_failed() {
