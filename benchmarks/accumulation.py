@@ -12,7 +12,8 @@
   checkpoint keeps are counted), with every block under `torch.utils.checkpoint(..., use_reentrant=False)`
   against without (goal at most 0.5x), and the train step's time (goal at most 1.4x: the recompute is
   about one more forward pass per backward, ~1.3x in theory; timed with one CPU thread, best of rounds that
-  interleave the two).  With CUDA also torch.cuda.max_memory_allocated of the step.
+  interleave the two).  What a step holds at its peak, with and without checkpointing, is section memory's
+  (course/measuring/memory.py's StepPeak, on the CPU and with CUDA), the one peak lesson 14 reports.
 """
 import contextlib
 import functools
@@ -103,11 +104,6 @@ def _checkpointing(ctx, depth: int, device: torch.device) -> dict:
 
         for _ in range(ctx.pick(1, 2, 3)):  # warm-up; the first call also counts the bytes
             step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(device)
-            step()
-            torch.cuda.synchronize()
         out[checkpointed] = meter.summary(1, len(y))
         fns[checkpointed] = step
     sync = torch.cuda.synchronize if device.type == "cuda" else None
@@ -157,10 +153,6 @@ def run(ctx) -> list:
                             ckpt["saved_for_backward_bytes"] / plain["saved_for_backward_bytes"],
                             "not checkpointed", note=f"{plain['saved_for_backward_bytes'] / 2 ** 20:.2f} MB "
                                                      "without; one forward pass").check("<=", 0.5))
-            if device.type == "cuda":
-                rows.append(Row("accumulation", f"{name}: CUDA peak memory of a step, checkpointed",
-                                ckpt["cuda_peak_bytes"] / 2 ** 20, "MB",
-                                ckpt["cuda_peak_bytes"] / plain["cuda_peak_bytes"], "not checkpointed"))
             rows.append(Row("accumulation", f"{name}: train step, checkpointed", m["step"][True] * 1e3, "ms/step",
                             m["step"][True] / m["step"][False], "not checkpointed (> 1: slower)",
                             note=f"{threads}{m['step'][False] * 1e3:.1f} ms without").check("<=", 1.4))

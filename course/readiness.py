@@ -16,7 +16,6 @@ import os
 import socket
 import statistics
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 LESSONS = ["day1/0_torch_dist.py", "day2/9_torch_dist_multi_node.py", "day2/10_mnist_ddp_pt_multinode.py",
            "day2/11_mnist_ddp_pt_multinode_streaming.py", "day3/15_fsdp2.py", "day3/17_debugging_hangs.py"]
 MIB = 2 ** 20
+CPU_MAX_MIB = 256  # gloo's largest all_reduce by default (GPUs: top_mib)
 
 
 def node(results: Path) -> int:
@@ -62,12 +62,23 @@ def node(results: Path) -> int:
     return 0
 
 
-def bandwidth(results: Path, max_mib: int, iters: int, timeout: float) -> int:
-    """Every rank: all_reduce of float32 tensors from 1 KiB to max_mib MiB; rank 0 writes bandwidth.json."""
+def top_mib(device, max_mib: int | None = None) -> int:
+    """The largest all_reduce of the sweep, MiB: --max-mib if given; else on GPUs (NCCL) the lessons' largest
+    (course/measuring/hardware.py, sweep_sizes: NVLink and InfiniBand are not full at a few MiB), on CPUs
+    CPU_MAX_MIB."""
+    from course.measuring.hardware import sweep_sizes
+
+    return max_mib or (int(sweep_sizes(device)[-1]) if device.type == "cuda" else CPU_MAX_MIB)
+
+
+def bandwidth(results: Path, max_mib: int | None, iters: int, timeout: float) -> int:
+    """Every rank: all_reduce of float32 tensors from 1 KiB to max_mib MiB (top_mib); rank 0 writes
+    bandwidth.json."""
     import torch
     import torch.distributed as dist
 
     from course.launching.launch import backend_for, launch, setup_device
+    from course.measuring.hardware import clock
 
     def worker(info, args):
         device = setup_device("auto", info.local_rank)
@@ -76,20 +87,17 @@ def bandwidth(results: Path, max_mib: int, iters: int, timeout: float) -> int:
                                 timeout=timedelta(seconds=timeout))
         n, rows = info.world_size, []
         size = 1024
-        while size <= max_mib * MIB:
+        while size <= top_mib(device, max_mib) * MIB:
             x = torch.ones(size // 4, device=device)
             for _ in range(2):  # warm-up: connections, buffers
                 dist.all_reduce(x)
             times = []
             for _ in range(iters):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                clock(device)  # on a GPU: the work queued before has finished
                 dist.barrier()
-                start = time.perf_counter()
+                start = clock(device)
                 dist.all_reduce(x)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - start)
+                times.append(clock(device) - start)
             seconds = torch.tensor([statistics.median(times)], device=device)
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's time is the collective's
             t = seconds.item()
@@ -159,7 +167,8 @@ def main(argv=None) -> int:
     for name in ("node", "bandwidth", "verdict"):
         s = sub.add_parser(name)
         s.add_argument("results", type=Path, help="the job's results directory")
-    sub.choices["bandwidth"].add_argument("--max-mib", type=int, default=256, help="largest message, MiB")
+    sub.choices["bandwidth"].add_argument("--max-mib", type=int, default=None,
+                                          help=f"largest message, MiB (not given: 1024 on GPUs, {CPU_MAX_MIB} on CPUs)")
     sub.choices["bandwidth"].add_argument("--iters", type=int, default=5, help="timed all_reduces per size")
     sub.choices["bandwidth"].add_argument("--timeout", type=float, default=120.0, help="seconds a rank waits")
     args = p.parse_args(argv)

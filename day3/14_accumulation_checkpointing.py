@@ -22,7 +22,7 @@ Lesson 13's loop (mixed precision stays as it was), with two ways to train what 
 - What each saves is counted while training (course/measuring/accumulation.py) and written into metrics.json: the
   all_reduce calls and bytes of every optimizer step (a DDP communication hook that counts each bucket, then
   all_reduces it as DDP would), and the bytes autograd keeps for backward during one micro-batch's forward
-  (saved-tensor hooks; CUDA's peak memory too where there is a GPU).
+  (saved-tensor hooks).
 - What the step really holds is measured on every rank (course/measuring/memory.py, as in lessons 13 and 15): during
   step 3, from its first forward to `optimizer.step()`, the bytes held when it began and the most above
   that; checkpointing can shrink only the part above (the replica is held before the step and stays).  On
@@ -68,7 +68,8 @@ def worker(info, args):
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)  # DIST: NCCL connects on this GPU now
     require(args.dataset, args.data_dir)
     train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
     test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)

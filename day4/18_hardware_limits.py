@@ -8,13 +8,14 @@ Lesson 13's loop (DDP, fp32 by default), measured against what the machine can d
 the model itself (lesson 19): each way of splitting trades FLOPs for bytes sent, and these two
 numbers say what each costs here.
 - Before training, every rank runs all_reduce, all_gather and reduce_scatter on float32 tensors of
-  --sizes-mib MiB, timed as nccl-tests times them (the slowest rank's seconds per call, t).  With S the
-  size of the whole tensor (all_reduce: the tensor each rank holds; all_gather and reduce_scatter: the
-  gathered one) and n ranks: algorithm bandwidth algbw = S / t, and bus bandwidth busbw = algbw x 2(n-1)/n
-  for all_reduce, x (n-1)/n for the other two.  busbw is the bytes each rank must send per second with
-  the best algorithm (a ring: all_reduce = reduce_scatter + all_gather, each sending (n-1)/n of S), so it
-  can be compared with the link's speed and across world sizes; it grows with S until the link is full,
-  and small messages pay a fixed latency instead.
+  --sizes-mib MiB (not given: 0.25 to 16 on the CPU, on to 1024 on GPUs, whose NVLink and InfiniBand are not
+  yet full at 16; course/measuring/hardware.py's sweep_sizes), timed as nccl-tests times them (the slowest
+  rank's seconds per call, t).  With S the size of the whole tensor (all_reduce: the tensor each rank
+  holds; all_gather and reduce_scatter: the gathered one) and n ranks: algorithm bandwidth algbw = S / t,
+  and bus bandwidth busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for the other two.  busbw is the
+  bytes each rank must send per second with the best algorithm (a ring: all_reduce = reduce_scatter +
+  all_gather, each sending (n-1)/n of S), so it can be compared with the link's speed and across world
+  sizes; it grows with S until the link is full, and small messages pay a fixed latency instead.
 - With gloo the bytes really sent are counted too: the kernel's counters of this machine's network
   interfaces (loopback included, course/measuring/hardware.py) before and after the calls, divided among the
   ranks of this machine, against the bus formula's bytes per rank.  Measured here (torch 2.14.1, gloo):
@@ -31,9 +32,11 @@ numbers say what each costs here.
   the CPU's attention kernel (aten._scaled_dot_product_flash_attention_for_cpu): the lesson gives it the
   GPU kernels' formulas, torch's own `sdpa_flop_count` and `sdpa_backward_flop_count`.
 - Model FLOPs utilization (MFU): the counted FLOPs per step x steps / the training steps' seconds / the
-  peak: the fraction of the device's matmul speed training achieves.  And DDP's gradient all_reduce per
-  step (the parameters' bytes), timed from the all_reduces measured at the sizes around it: what
-  communication costs each step.
+  peak: the fraction of the device's matmul speed training achieves.  Each step is timed by
+  course/measuring/hardware.py's clock: on a GPU the host's clock read after torch.cuda.synchronize, once
+  the GPU has finished (a CUDA call returns when its kernels are queued: without it the time to queue
+  them, not to run them).  And DDP's gradient all_reduce per step (the parameters' bytes), timed from the
+  all_reduces measured at the sizes around it: what communication costs each step.
 --batch-size is per rank.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
@@ -93,12 +96,13 @@ def worker(info, args):
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)  # DIST: NCCL connects on this GPU now
     require(args.dataset, args.data_dir)
     train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
     test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
 
-    rows = bandwidth(device, world_size, info.local_world_size, args.sizes_mib, iters=5)
+    rows = bandwidth(device, world_size, info.local_world_size, hardware.sweep_sizes(device, args.sizes_mib), iters=5)
     model = model_from_args(args, args.seed + rank).to(device)
     # DDP: broadcasts rank 0's weights at wrap time, then all_reduces gradient buckets during backward
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -121,7 +125,7 @@ def worker(info, args):
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
         for x, y in loader:
-            begun = time.perf_counter()
+            begun = hardware.clock(device)  # on a GPU once its queued work is done: the step's own kernels
             counting = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) if step == 0 else nullcontext()
             with counting:  # step 1 only: torch counts what its forward and backward passes do
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -131,7 +135,7 @@ def worker(info, args):
             flops = counting.get_total_flops() if step == 0 else flops  # this rank's, forward and backward
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
             optimizer.step()
-            step_seconds += (time.perf_counter() - begun) if step else 0.0  # step 1 is counted: not timed
+            step_seconds += (hardware.clock(device) - begun) if step else 0.0  # step 1 is counted: not timed
             losses.append(loss.detach())
             norms.append(norm.detach())
             step += 1
@@ -186,7 +190,7 @@ def build_parser():
                    help="DDP's gradient bucket size in MB")
     p.add_argument("--precision", default="fp32", choices=("bf16", "fp32"),
                    help="the dtype of autocast's matrix products (fp16 would need lesson 13's GradScaler)")
-    p.add_argument("--sizes-mib", type=cli.positive_float, nargs="+", default=[0.25, 1.0, 4.0, 16.0], help="sizes S, MiB")
+    p.add_argument("--sizes-mib", type=cli.positive_float, nargs="+", help="sizes S, MiB; not given: 0.25 1 4 16, on GPUs on to 1024")
     p.add_argument("--clip-grad-norm", type=cli.positive_float, default=1.0,
                    help="clip the gradients' total norm to this")
     return add_profile_args(add_vit_args(p))

@@ -65,7 +65,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from course.launching import cli
 from course.launching.launch import backend_for, launch, setup_device
-from course.measuring import memory, parallel
+from course.measuring import hardware, memory, parallel
 from course.measuring.profiling import add_profile_args, maybe_profile
 from course.models import add_vit_args, build_stages, check_pipeline, check_vit_args
 from course.training.evaluate import evaluate
@@ -80,7 +80,8 @@ def worker(info, args):
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)  # DIST: NCCL connects on this GPU now
     require(args.dataset, args.data_dir)
     train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
     test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
@@ -105,7 +106,7 @@ def worker(info, args):
         for x, y in loader:
             if len(y) < args.batch_size:  # the epoch's last, smaller batch: every micro-batch must have one shape
                 break
-            begun = time.perf_counter()
+            begun = hardware.clock(device)  # on a GPU once its queued work is done: the step's own kernels
             optimizer.zero_grad()
             with clock.step(step + 1):  # not timed: step 1 (it also learns the shapes), step 3 (memory measured)
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -115,8 +116,8 @@ def worker(info, args):
             dist.all_reduce(norm)  # DIST: the squared norms of all stages add up
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.clip_grad_norm, norm.sqrt())
             optimizer.step()
-            step_seconds += (time.perf_counter() - begun) if step else 0.0  # step 1 is counted: not timed
-            loss = F.cross_entropy(logits.float(), y) if logits is not None else torch.zeros(())  # the last stage's
+            step_seconds += (hardware.clock(device) - begun) if step else 0.0  # step 1 is counted: not timed
+            loss = F.cross_entropy(logits.float(), y) if logits is not None else torch.zeros((), device=device)  # the last stage's
             losses.append(loss.detach())
             norms.append(norm.sqrt().detach())
             step += 1

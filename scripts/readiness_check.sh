@@ -8,7 +8,7 @@
 #   scripts/readiness_check.sh --site NAME --gpus-per-node 4 --dry-run   # the sbatch command only
 #
 # Options go to slurm/submit.sh (--site, --gpus-per-node, --ntasks-per-node, --time, --dry-run, --test-only);
-# READINESS_MAX_MIB=64 makes the largest all_reduce smaller.  The log: logs/readiness-<job id>.out.
+# READINESS_MAX_MIB=64 sets the largest all_reduce (MiB; not set: 1024 on GPUs, 256 on CPUs).  The log: logs/readiness-<job id>.out.
 set -euo pipefail
 COURSE_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 [[ " $* " != *" --help "* && " $* " != *" -h "* ]] || { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0; }

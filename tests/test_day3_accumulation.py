@@ -104,7 +104,7 @@ def test_checkpointing_changes_no_number_and_keeps_fewer_bytes(runs):
     assert 0 < ratio < 0.5, ratio
     # what a checkpointed block keeps is its input: at least depth x (b x 16 tokens x width) fp32 numbers
     assert mc["saved_for_backward_bytes"] >= 2 * 8 * 16 * 32 * 4
-    assert mc["cuda_peak_bytes"] is None  # the CPU: no CUDA peak to report
+    assert "cuda_peak_bytes" not in mc  # the step's peak ("memory") is the one peak the lesson reports
     assert mc["allreduce_bytes"] == mp["allreduce_bytes"]
 
 
@@ -152,7 +152,8 @@ def test_on_a_gpu_checkpointing_lowers_the_peak_memory(gpus, dataset, tmp_path):
     """The CUDA path (`pytest -m gpu` on a GPU node), world size = the GPUs (one is enough): a wider, deeper
     ViT (width 256, depth 8, patch 2: 196 tokens) whose activations dominate the peak; checkpointing must
     lower the peak of step 3 above what the GPU held when it began (torch.cuda.max_memory_allocated minus
-    memory_allocated: the whole run's peak also holds the dataset on the GPU, ~220 MB, and the weights), and
+    memory_allocated: the whole run's peak also holds the dataset on the GPU, ~220 MB, and the weights; the
+    lesson reports no other peak), and
     leave the weights as they were (other kernels than the CPU's, recomputed in the same order: not measured
     yet, hence 1e-5)."""
     from conftest import GPU_ENV, run
@@ -162,10 +163,7 @@ def test_on_a_gpu_checkpointing_lowers_the_peak_memory(gpus, dataset, tmp_path):
     for name, extra in (("plain", []), ("checkpointed", ["--checkpoint-activations"])):
         run([PYTHON, REPO / SCRIPT, *args, *extra, "--run-dir", tmp_path / name], env=GPU_ENV)
     plain, ckpt = metrics(tmp_path / "plain"), metrics(tmp_path / "checkpointed")
-    assert plain["backend"] == "nccl" and plain["cuda_peak_bytes"] > 0
-    print(f"CUDA peak: {ckpt['cuda_peak_bytes'] / 2 ** 20:.1f} MB checkpointed, "
-          f"{plain['cuda_peak_bytes'] / 2 ** 20:.1f} MB not")
-    assert ckpt["cuda_peak_bytes"] < plain["cuda_peak_bytes"]
+    assert plain["backend"] == "nccl" and "cuda_peak_bytes" not in plain
     step, step_ckpt = plain["memory"], ckpt["memory"]
     assert step["how"] == "torch.cuda.max_memory_allocated" and step["measured_step"] == 3
     print(f"step 3 above what it began with: {step_ckpt['peak_above_bytes'] / 2 ** 20:.1f} MB checkpointed, "

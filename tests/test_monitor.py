@@ -171,6 +171,15 @@ class TorchUuid:
         return self.text
 
 
+def by_uuid(uuid):
+    import pynvml
+
+    found = [h for h in NODE if h["uuid"] == (uuid.decode() if isinstance(uuid, bytes) else uuid)]
+    if not found:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+    return found[0]
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
     import pynvml
@@ -181,6 +190,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: calls.append("shutdown"))
     monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: len(NODE))
     monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: NODE[i])
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByUUID", by_uuid)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetIndex", lambda h: NODE.index(h))
     monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda h: h["uuid"].encode())  # older releases: bytes
     monkeypatch.setattr(pynvml, "nvmlDeviceGetUtilizationRates", lambda h: SimpleNamespace(gpu=h["util"]))
     monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", lambda h: SimpleNamespace(used=h["used"]))
@@ -231,6 +242,116 @@ def test_a_gpu_nvml_does_not_list_gives_a_note(fake_gpu, tmp_path, capsys, monke
     assert "util_percent_mean" not in summary["gpu"] and summary["rss_mb_max"] > 0
     assert fake_gpu == ["init", "shutdown"]
     assert "] hardware, 1 sample in " in capsys.readouterr().out
+
+
+@pytest.fixture
+def cgroup(fake_gpu, monkeypatch):
+    """NVML's GPU 1 is outside the job's cgroup (Slurm's ConstrainDevices): NVML lists it but answers
+    NO_PERMISSION to anything about it.  Returns what NVML was asked, as ("index" or "uuid", which)."""
+    import pynvml
+
+    asked = []
+
+    def guarded(kind, get):
+        def call(which):
+            asked.append((kind, which))
+            if which in (1, NODE[1]["uuid"]):
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+            return get(which)
+        return call
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", guarded("index", lambda i: NODE[i]))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByUUID", guarded("uuid", by_uuid))
+    return asked
+
+
+@pytest.mark.parametrize("driver", ["by UUID", "no nvmlDeviceGetHandleByUUID"])
+def test_a_gpu_outside_the_jobs_cgroup_is_skipped_not_fatal(cgroup, tmp_path, monkeypatch, driver):
+    """NO_PERMISSION from a GPU the job may not see stops nothing: the rank's GPU (NVML's 2) is read; asked by
+    its UUID, NVML is asked about no other GPU."""
+    import pynvml
+    import torch
+
+    from course.measuring.monitor import Monitor, nvml_index
+    if driver != "by UUID":
+        def missing(uuid):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByUUID", missing)
+    summary = Monitor(0, 1, torch.device("cuda", 0), 0.02, tmp_path / "r.json", tmp_path / "tb").start().stop()
+    gpu = summary["gpu"]
+    assert (gpu["note"], gpu["nvml_index"], gpu["util_percent_mean"]) == (None, 2, 77), gpu
+    if driver == "by UUID":
+        assert cgroup == [("uuid", NODE[2]["uuid"])]
+    else:
+        assert ("index", 1) in cgroup and ("index", 2) in cgroup  # went past GPU 1's NO_PERMISSION
+    assert nvml_index(pynvml, NODE[2]["uuid"]) == 2
+
+
+def test_without_torchs_uuid_the_gpu_is_cuda_visible_devices_entry(cgroup, tmp_path, monkeypatch):
+    """A torch whose device properties have no UUID: CUDA_VISIBLE_DEVICES's entry for the rank's device, a
+    UUID (NVML's GPU 2) or an index, names the GPU."""
+    import torch
+
+    from course.measuring.monitor import Monitor
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(name="Fake GPU"))
+    for visible, index in ((f"{NODE[0]['uuid']},{NODE[2]['uuid']}", 2), ("1,0", 0)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        gpu = Monitor(0, 1, torch.device("cuda", 1), 0.02, tmp_path / "r.json", tmp_path / "tb").start().stop()["gpu"]
+        assert (gpu["note"], gpu["nvml_index"], gpu["uuid"]) == (None, index, visible.split(",")[1]), gpu
+    assert ("index", 1) not in cgroup and ("uuid", NODE[1]["uuid"]) not in cgroup
+
+
+class FakeProcess:
+    """psutil.Process on a clock the test moves: CPU times as the kernel counts them, in ticks of 10 ms, so
+    that a window of a few ms can hold several ticks (psutil's cpu_percent as psutil computes it)."""
+
+    def __init__(self, clock, cpu):
+        self.clock, self.cpu, self.last = clock, cpu, None
+
+    def cpu_times(self):
+        return SimpleNamespace(user=self.cpu[0], system=0.0)
+
+    def cpu_percent(self):
+        now = (self.clock[0], self.cpu[0])
+        last, self.last = self.last, now
+        return 0.0 if last is None else 100 * (now[1] - last[1]) / (now[0] - last[0])
+
+    def memory_info(self):
+        return SimpleNamespace(rss=100e6)
+
+    def cpu_affinity(self):
+        return [0, 1]
+
+
+def test_the_last_samples_cpu_share_is_over_a_window_long_enough(tmp_path, monkeypatch):
+    """The last sample is taken at stop(), here 10 ms after the one before: 25.6 ms of CPU time counted in
+    those 10 ms (ticks arrive late) would say 256 % on 2 cores.  Its window reaches back over the samples
+    before until it is CPU_WINDOW long; a run shorter than that gives no share rather than any share."""
+    import torch
+
+    from course.measuring import monitor as m
+    clock, cpu = [100.0], [5.0]
+    monkeypatch.setattr(m, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    mon = m.Monitor(0, 1, torch.device("cpu"), 3600, tmp_path / "r.json", tmp_path / "tb")
+    mon.process = FakeProcess(clock, cpu)
+    mon.start()
+    for _ in range(3):  # three samples 50 ms apart, one core busy (45 ms of CPU, then 55 ms)
+        clock[0] += 0.05
+        cpu[0] += 0.045 if len(mon.samples) % 2 else 0.055
+        mon._record()
+    clock[0] += 0.01
+    cpu[0] += 0.0256
+    s = mon.stop()
+    shares = [x["cpu_percent"] for x in mon.samples]
+    assert shares[:3] == pytest.approx([110, 90, 110]), shares
+    assert shares[3] == pytest.approx(100 * (0.055 + 0.045 + 0.0256) / 0.11), shares  # over the last 2 and stop()'s
+    assert s["cpu_percent_max"] <= 100 * s["cores_allowed"], s
+    short = m.Monitor(0, 1, torch.device("cpu"), 3600, tmp_path / "s.json", tmp_path / "tb2")
+    short.process = FakeProcess(clock, cpu)
+    short.start()
+    clock[0] += 0.01
+    cpu[0] += 0.0256
+    assert short.stop()["cpu_percent_max"] is None and "CPU n/a mean, n/a max" in short.line()
 
 
 def test_a_failing_rank_exits_at_once(tmp_path):

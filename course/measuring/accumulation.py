@@ -16,17 +16,19 @@ Two counts:
   parameters not at all (they are there anyway).  A checkpointed block saves nothing through these hooks
   (checkpoint installs its own, innermost, and keeps only the block's input to run it again in backward), so
   its input is counted where the block starts.  Counted on the first forward pass only: the same shapes give
-  the same bytes every time.  On CUDA, torch.cuda.max_memory_allocated adds the peak of the whole run.
+  the same bytes every time.  What a step holds at its peak is measured apart (course/measuring/memory.py's
+  StepPeak): the whole run's CUDA peak would be mostly the dataset held on the GPU and the evaluation.
 And the time of an optimizer step: the median of the intervals between consecutive steps (an interval that
 spans an evaluation of the test set is far longer than the others, and the median ignores it).
 """
 import contextlib
 import math
 import statistics
-import time
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from course.measuring.hardware import clock
 
 
 def _storage(t: torch.Tensor):
@@ -47,8 +49,6 @@ class Meter:
         self.saved, self.counted, self.counting, self.times = {}, False, False, []
         for block in blocks if blocks is not None else getattr(model, "module", model).blocks:
             block.register_forward_pre_hook(self._block_input)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
 
     def _keep(self, t: torch.Tensor) -> None:
         ptr, size = _storage(t)
@@ -79,9 +79,7 @@ class Meter:
             self.counting, self.counted = False, True
 
     def step(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the GPU's work is done, not only queued
-        self.times.append(time.perf_counter())
+        self.times.append(clock(self.device))  # on a GPU once its work is done, not only queued
 
     def summary(self, steps: int, samples_per_step: int) -> dict:
         """The counts as metrics.json keys: per optimizer step and per sample of the global batch."""
@@ -92,9 +90,7 @@ class Meter:
                "allreduce_bytes_per_sample": c["bytes"] / (steps * samples_per_step),
                "saved_for_backward_bytes": sum(self.saved.values()),
                "step_seconds": statistics.median(b - a for a, b in zip(self.times, self.times[1:]))
-               if len(self.times) > 1 else None,
-               "cuda_peak_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
-               else None}
+               if len(self.times) > 1 else None}
 
 
 def _counting_allreduce(state: dict, bucket):
@@ -108,13 +104,12 @@ def _counting_allreduce(state: dict, bucket):
 
 def describe(m: dict, accumulate: int, checkpointing: bool) -> str:
     """One line: what one optimizer step sent, and what one micro-batch kept for backward."""
-    peak = f"; CUDA peak {m['cuda_peak_bytes'] / 2 ** 20:.1f} MB" if m["cuda_peak_bytes"] is not None else ""
     timing = f"; {m['step_seconds'] * 1000:.1f} ms per optimizer step" if m["step_seconds"] is not None else ""
     return (f"all_reduce per optimizer step: {m['allreduce_rounds_per_step']:g} round(s) of "
             f"{m['allreduce_calls_per_step']:g} bucket(s), {m['allreduce_bytes_per_step'] / 1024:.1f} KB "
             f"= {m['allreduce_bytes_per_sample']:.1f} bytes per sample ({accumulate} micro-batch(es)); "
             f"kept for backward per micro-batch: {m['saved_for_backward_bytes'] / 2 ** 20:.3f} MB "
-            f"(activation checkpointing {'on' if checkpointing else 'off'}){peak}{timing}")
+            f"(activation checkpointing {'on' if checkpointing else 'off'}){timing}")
 
 
 def check_args(args) -> None:

@@ -1,5 +1,7 @@
 """Lesson 18's plumbing: a call timed the way nccl-tests times it, and the bytes this machine's network
-interfaces have sent (the kernel's counters)."""
+interfaces have sent (the kernel's counters); `clock`, the course's clock for anything that runs on a GPU
+(day 4's training steps, lesson 21's pipeline, lesson 14's steps, lesson 7's all_reduce, the readiness
+check's); and the sizes of the collectives' sweep on each device (`sweep_sizes`)."""
 import time
 from pathlib import Path
 
@@ -7,6 +9,32 @@ import torch
 import torch.distributed as dist
 
 NET_DEV = Path("/proc/net/dev")
+CPU_SIZES_MIB = (0.25, 1.0, 4.0, 16.0)  # gloo over loopback: ~1.2 GB/s from 16 MiB on (DESIGN.md, 12)
+GPU_TOP_MIB = 1024  # NCCL over NVLink or InfiniBand still gains bus bandwidth well past 16 MiB
+
+
+def sweep_sizes(device, asked=None) -> list:
+    """The sizes S in MiB of a bandwidth sweep (lessons 18-20's --sizes-mib, course/readiness.py's largest):
+    `asked` if given; else on the CPU CPU_SIZES_MIB (a few seconds, the CPU tests stay fast), and on a GPU
+    the same x 4 each on to GPU_TOP_MIB, 0.25 to 1024 MiB: NCCL's bus bandwidth over NVLink and InfiniBand
+    keeps growing past 16 MiB (nccl-tests' own sweeps go on to GiBs)."""
+    if asked:
+        return list(asked)
+    sizes = list(CPU_SIZES_MIB)
+    while device.type == "cuda" and sizes[-1] < GPU_TOP_MIB:
+        sizes.append(sizes[-1] * 4)
+    return sizes
+
+
+def clock(device) -> float:
+    """time.perf_counter() once `device` has finished the work queued on it.  A CUDA call returns as soon as
+    its kernels are queued: the host's clock alone times the queueing, not the GPU, once the GPU is the
+    slower of the two (a step's time, and the MFU from it, come out too good).  On a CUDA device
+    torch.cuda.synchronize(device) waits for every kernel of every stream on it first; on the CPU the work is
+    done when the call returns: the clock alone, at no other cost."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def timed(call, iters: int, device) -> tuple:
@@ -15,19 +43,14 @@ def timed(call, iters: int, device) -> tuple:
     device has finished them; the slowest rank's seconds (a collective ends for all when it ends for the
     last), and the bytes this machine's network interfaces sent meanwhile (`sent_bytes`).  Every rank
     calls it."""
-    def synchronize():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     call()
-    synchronize()
+    clock(device)  # the untimed call has finished
     sent = sent_bytes()
     dist.barrier()  # every rank of this machine has read the counters before any rank sends
-    start = time.perf_counter()
+    start = clock(device)
     for _ in range(iters):
         call()
-    synchronize()
-    seconds = torch.tensor([(time.perf_counter() - start) / iters], device=device)
+    seconds = torch.tensor([(clock(device) - start) / iters], device=device)
     dist.barrier()  # ... and every rank has sent everything before any reads them again
     sent = (sent_bytes() - sent) / iters
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)

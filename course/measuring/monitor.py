@@ -2,14 +2,17 @@
 
 Each rank starts a background thread that, every --watch-interval seconds, writes down what its own process
 and its own GPU are doing:
-- CPU: the process's CPU% (psutil: 100 % = one core busy for the whole interval; all its threads together)
+- CPU: the process's CPU% (psutil's CPU times: 100 % = one core busy for the whole interval; all its threads
+  together; the last sample's, up to stop(), over at least CPU_WINDOW seconds)
   and its resident memory (RSS: the bytes of RAM it holds, the in-memory dataset included);
 - CUDA: through NVML (the library behind nvidia-smi; Python package nvidia-ml-py, module `pynvml`) the GPU's
   utilization (the share of the time some kernel was running), its memory in use (by every process on that
   GPU) and its power draw; and at the end torch's own peak, torch.cuda.max_memory_allocated.
 
 NVML numbers its GPUs physically and ignores CUDA_VISIBLE_DEVICES (which Slurm and torchrun users set), so
-cuda:0 of a rank may be NVML's GPU 3: the rank's GPU is found by its UUID, the one id both agree on.
+cuda:0 of a rank may be NVML's GPU 3: the rank's GPU is found by its UUID, the one id both agree on
+(nvmlDeviceGetHandleByUUID), asking NVML about no other GPU: those outside the job's cgroup answer
+NO_PERMISSION (find_gpu).
 
 At the end each rank prints one line, writes RUN_DIR/hardware/rank{r}.json (every sample and a summary), and
 has written TensorBoard scalars to LOG_DIR/hardware/rank{r}/ while it ran (flushed every few seconds, so a
@@ -23,12 +26,14 @@ stops with "ambiguous option" at a `--monitor` it reads as an abbreviation, even
 import argparse
 import importlib.util
 import math
+import os
 import threading
 import time
 from pathlib import Path
 
 DEFAULT_INTERVAL = 0.5
 SHORTEST_INTERVAL = 0.01
+CPU_WINDOW = 0.1  # seconds: the shortest window the last sample's CPU share is measured over
 TB_FLUSH_SECONDS = 5
 MB = 1e6
 
@@ -80,12 +85,42 @@ def _bare_uuid(uuid) -> str:
 
 def nvml_index(nvml, torch_uuid) -> int | None:
     """The NVML index of the GPU whose UUID is `torch_uuid` (torch.cuda.get_device_properties(d).uuid), or
-    None.  NVML counts every GPU of the node whatever CUDA_VISIBLE_DEVICES says; the UUID is the same in both."""
+    None.  NVML counts every GPU of the node whatever CUDA_VISIBLE_DEVICES says; the UUID is the same in both.
+    A GPU outside the job's cgroup (Slurm's ConstrainDevices) answers NO_PERMISSION: it is not the rank's,
+    and the others are still read."""
     wanted = _bare_uuid(torch_uuid)
     for index in range(nvml.nvmlDeviceGetCount()):
-        if _bare_uuid(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(index))) == wanted:
-            return index
+        try:
+            if _bare_uuid(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(index))) == wanted:
+                return index
+        except nvml.NVMLError_NoPermission:
+            continue
     return None
+
+
+def visible_entry(device) -> str | None:
+    """The entry of CUDA_VISIBLE_DEVICES that is `device` (a UUID, GPU-... or MIG-..., or an index), or None."""
+    entries = [e.strip() for e in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if e.strip()]
+    index = device.index or 0
+    return entries[index] if index < len(entries) else None
+
+
+def find_gpu(nvml, torch_uuid, visible: str | None, cuda_index: int = 0) -> tuple:
+    """(NVML's handle, NVML index) of the rank's GPU, or (None, None), asking NVML only about the GPU the job
+    may see: by its UUID (torch's, else CUDA_VISIBLE_DEVICES's entry) with nvmlDeviceGetHandleByUUID; failing
+    that, through NVML's GPUs by UUID, skipping those that answer NO_PERMISSION (nvml_index); without any
+    UUID, by CUDA_VISIBLE_DEVICES's index (else the CUDA index: every GPU visible)."""
+    uuid = f"GPU-{_bare_uuid(torch_uuid)}" if torch_uuid else \
+        visible if visible and not visible.isdigit() else None
+    if uuid is None:
+        index = int(visible) if visible else cuda_index
+        return nvml.nvmlDeviceGetHandleByIndex(index), index
+    try:
+        handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+        return handle, nvml.nvmlDeviceGetIndex(handle)
+    except nvml.NVMLError:  # not found (a MIG slice's UUID), or a driver without these calls
+        index = nvml_index(nvml, uuid)
+        return (None, None) if index is None else (nvml.nvmlDeviceGetHandleByIndex(index), index)
 
 
 class _Gpu:
@@ -109,16 +144,17 @@ class _Gpu:
             return
         props = torch.cuda.get_device_properties(device)
         try:
-            index = nvml_index(pynvml, props.uuid) if hasattr(props, "uuid") else None
+            handle, index = find_gpu(pynvml, getattr(props, "uuid", None), visible_entry(device), device.index or 0)
         except pynvml.NVMLError as e:
-            index, self.note = None, f"NVML could not list the GPUs ({e}): no GPU numbers"
-        if index is None:
+            handle, self.note = None, f"NVML could not find the GPU ({e}): no GPU numbers"
+        if handle is None:
             self.note = self.note or (f"no GPU with {device}'s UUID {getattr(props, 'uuid', '?')} in NVML "
                                       "(a MIG slice?): no GPU numbers")
             pynvml.nvmlShutdown()
             return
-        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        self.info = {"device": str(device), "nvml_index": index, "name": props.name, "uuid": str(props.uuid)}
+        self.handle = handle
+        self.info = {"device": str(device), "nvml_index": index, "name": props.name,
+                     "uuid": str(getattr(props, "uuid", None) or visible_entry(device))}
 
     def sample(self) -> dict:
         nvml, h = self.nvml, self.handle
@@ -173,8 +209,8 @@ class Monitor:
             old.unlink(missing_ok=True)
         self.json_path.unlink(missing_ok=True)  # a failed run leaves no file rather than an earlier run's
         self.writer = SummaryWriter(str(self.tb_dir), flush_secs=TB_FLUSH_SECONDS)
-        self.process.cpu_percent()  # the first call only starts psutil's clock
-        self.start_time = time.perf_counter()
+        self._marks = [self._cpu_mark()]  # (clock, CPU seconds) as each sample's window began, and now
+        self.start_time = self._marks[0][0]
         self._thread.start()
         return self
 
@@ -182,10 +218,28 @@ class Monitor:
         while not self._stop.wait(self.interval):
             self._record()
 
-    def _record(self):
-        memory = self.process.memory_info()
-        sample = {"t": round(time.perf_counter() - self.start_time, 3), "step": self.steps,
-                  "cpu_percent": self.process.cpu_percent(), "rss_mb": memory.rss / MB}
+    def _cpu_mark(self) -> tuple:
+        times = self.process.cpu_times()  # every thread of the process, in ticks of 10 ms (/proc/PID/stat)
+        return time.perf_counter(), times.user + times.system
+
+    def _cpu_percent(self, now: tuple, last: bool) -> float | None:
+        """The CPU time used since the previous sample over the seconds since then, x 100 (psutil's
+        cpu_percent).  The last sample's window ends at stop(), often a few ms later: over so short a window
+        Linux's ticks of CPU time (10 ms) give any share (255.7 % was seen on 2 cores).  It reaches back
+        over the earlier samples' windows until it spans CPU_WINDOW seconds; no share if the run was shorter."""
+        i = len(self._marks) - 1
+        while last and i > 0 and now[0] - self._marks[i][0] < CPU_WINDOW:
+            i -= 1
+        since, cpu = self._marks[i]
+        if now[0] <= since or (last and now[0] - since < CPU_WINDOW):
+            return None
+        return 100 * (now[1] - cpu) / (now[0] - since)
+
+    def _record(self, last: bool = False):
+        memory, now = self.process.memory_info(), self._cpu_mark()
+        sample = {"t": round(now[0] - self.start_time, 3), "step": self.steps,
+                  "cpu_percent": self._cpu_percent(now, last), "rss_mb": memory.rss / MB}
+        self._marks.append(now)
         if self.gpu is not None and self.gpu.handle is not None:
             sample.update(self.gpu.sample())
         self.samples.append(sample)
@@ -200,7 +254,7 @@ class Monitor:
             return self.summary
         self._stop.set()
         self._thread.join()
-        self._record()  # the end of the run, also when it was shorter than one interval
+        self._record(last=True)  # the end of the run, also when it was shorter than one interval
         self.writer.close()
         self.summary = self._summarize()
         if self.gpu is not None:

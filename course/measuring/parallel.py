@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from course.measuring.hardware import all_reduce_seconds, collectives_table, one_rank
+from course.measuring.hardware import all_reduce_seconds, clock, collectives_table, one_rank
 from course.measuring.memory import MB, held, nbytes, reshard
 from course.training.output import rank_print
 
@@ -201,16 +201,12 @@ def timed_stages(model, ids: list, stages: int, device, args, untimed: tuple = (
         busy, spans = 0.0, None
 
         def _timed(self, kind, run, chunk, *args, **kwargs):
-            cuda = self.device.type == "cuda"  # NCCL's waits only order the GPU's streams: the host goes on
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            begun, wall = time.perf_counter(), time.time()
+            # on a GPU once its queued work is done: NCCL's waits only order the GPU's streams, the host goes on
+            begun, wall = clock(self.device), time.time()
             try:
                 return run(chunk, *args, **kwargs)
             finally:
-                if cuda:
-                    torch.cuda.synchronize(self.device)
-                took = time.perf_counter() - begun
+                took = clock(self.device) - begun
                 self.busy += took
                 self.spans = self.spans if self.spans is not None else collections.deque(maxlen=4096)
                 self.spans.append((self.stage_index, kind, chunk, wall, wall + took))
@@ -236,13 +232,14 @@ class PipelineClock:
     def __init__(self, pipes: list, untimed: tuple = (1,)):
         self.pipes, self.untimed, self.seconds, self.busy, self.steps, self.since = pipes, untimed, 0.0, 0.0, 0, 0.0
         self.per_step = []  # [step, seconds, of which computed] of each timed step
+        self.device = pipes[0].device if pipes else torch.device("cpu")
 
     @contextlib.contextmanager
     def step(self, n: int):
-        begun, computed, self.since = time.perf_counter(), sum(p.busy for p in self.pipes), time.time()
+        begun, computed, self.since = clock(self.device), sum(p.busy for p in self.pipes), time.time()
         yield
-        if n not in self.untimed:
-            seconds, busy = time.perf_counter() - begun, sum(p.busy for p in self.pipes) - computed
+        if n not in self.untimed:  # on a GPU once the step's kernels are done (hardware.clock), as its chunks
+            seconds, busy = clock(self.device) - begun, sum(p.busy for p in self.pipes) - computed
             self.seconds, self.busy, self.steps = self.seconds + seconds, self.busy + busy, self.steps + 1
             self.per_step.append([n, seconds, busy])
 

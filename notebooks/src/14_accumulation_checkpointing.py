@@ -161,9 +161,7 @@ md(f"Kept for backward per micro-batch: {acc['saved_for_backward_bytes'] / 2 ** 
       f"and checkpoint's own bookkeeping per block, which weighs more the smaller the micro-batch."
       if slower > 1 else
       f"A checkpointed step took {slower:.2f}x as long, although it computes more: other programs kept this "
-      f"machine busier during one of the two runs. Time them again on an idle machine.")
-   + (f" CUDA's peak memory: {acc['cuda_peak_bytes'] / 2 ** 20:.1f} MB against {ckpt['cuda_peak_bytes'] / 2 ** 20:.1f} MB."
-      if acc["cuda_peak_bytes"] else ""))
+      f"machine busier during one of the two runs. Time them again on an idle machine."))
 
 # %% [markdown]
 # What the step really held, measured on rank 0 during step 3: checkpointing can only shrink what a step adds
@@ -222,8 +220,9 @@ md(f"{len(hw)} ranks, " + ", ".join(str(s["samples"]) for s in summaries)
    + ", ".join(f"{s['rss_mb_max']:.0f}" for s in summaries)
    + f" MB of RAM (RSS): torch's libraries and the in-memory dataset, mostly. The "
    f"{(acc['saved_for_backward_bytes'] - ckpt['saved_for_backward_bytes']) / 2 ** 20:.1f} MB per micro-batch "
-   f"that checkpointing saves are lost in that at this size; on a GPU the line adds torch's own peak "
-   f"(`max_memory_allocated`), where they show. The steps rise together on every rank: in a hung job "
+   f"that checkpointing saves are lost in that at this size, as they would be on a GPU in the whole run's "
+   f"peak the line adds there (the dataset held on the GPU, the evaluation): step 3's peak above is where "
+   f"they show. The steps rise together on every rank: in a hung job "
    f"(lesson 17) they stay flat and the CPU % of the waiting ranks drops.")
 
 # %% [markdown]
