@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from course.launching.devices import usable_cpus
 from course.launching.ports import free_port
 from course.launching.supervise import before_init_process_group, start_method
 
@@ -96,7 +97,7 @@ def load_lesson(relative_path: str):
 def _spawned(rank, fn, world, port, cfg, result_path):
     import torch.distributed as dist
 
-    torch.set_num_threads(cfg.get("threads") or max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(cfg.get("threads") or max(1, usable_cpus() // world))  # the CPUs this process may use
     if world > 1:
         before_init_process_group()  # the workers train, as the lessons' ranks do
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -10,7 +10,6 @@ with the data resident on one GPU, and the same epoch fed by the per-sample path
 its steps replayed from CUDA graphs (GraphedSteps below), checked against the lessons' loop step for step.
 """
 import math
-import os
 import time
 
 import torch
@@ -21,6 +20,7 @@ from torch.utils.data import RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from benchmarks.common import Row, max_over_ranks, spawn
+from course.launching.devices import usable_cpus
 from course.models import build_model
 from data_tools.datasets import InMemoryMNIST, batches, sampler_order
 
@@ -79,7 +79,7 @@ def in_this_process(fn, cfg, threads: int):
 
 
 def run(ctx):
-    cpus = os.cpu_count() or 1
+    cpus = usable_cpus()  # the CPUs this process may use (taskset, Slurm's --cpus-per-task), not the machine's
     batch_sizes = ctx.pick([64], [64, 512], [64, 128, 256, 512, 1024])
     models = ("mlp", "cnn")
     cfg = {"dataset": ctx.dataset, "data_dir": str(ctx.data_dir) if ctx.data_dir else None,

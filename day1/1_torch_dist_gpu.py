@@ -7,8 +7,10 @@
 
 NCCL moves GPU memory between GPUs directly (NVLink, PCIe, InfiniBand) without a detour through the CPU.
 Each rank owns one GPU: `torch.cuda.set_device(local_rank)` must come before init_process_group, or every
-rank would create its context on GPU 0.  NCCL cannot put two ranks on one GPU, so there can be at most as
-many ranks per node as GPUs.  A rank that Slurm gave a GPU of its own (srun --gpus-per-task=1,
+rank would create its context on GPU 0; `device_id=` hands the same GPU to init_process_group, so that NCCL
+connects there at init (a wrong device shows at once, not at the first collective) and barrier() knows its
+device (None on the CPU: torch refuses a CPU device_id).  NCCL cannot put two ranks on one GPU, so there can
+be at most as many ranks per node as GPUs.  A rank that Slurm gave a GPU of its own (srun --gpus-per-task=1,
 --gpu-bind=single:1) sees only that one, as cuda:0; course/launching/devices.py's gpu_index tells the two cases apart
 from what the rank sees.  On a machine without CUDA this script says so and runs lesson 0's gloo path.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
@@ -38,7 +40,8 @@ def worker(info, args):
     else:
         device = torch.device("cpu")
     dist.init_process_group(args.backend, rank=info.rank, world_size=info.world_size,  # DIST: join the group
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)  # DIST: NCCL connects on this GPU now
     value = torch.tensor([float(info.rank + 1)], device=device)  # NCCL reduces tensors in GPU memory
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     rank_print(info.rank, f"of {info.world_size} on {device} ({where}): my value is {value.item():g}")

@@ -67,7 +67,8 @@ def worker(info, args):
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)  # DIST: NCCL connects on this GPU now
     require(args.dataset, args.data_dir)
     train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
     test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)

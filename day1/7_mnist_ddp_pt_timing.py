@@ -111,7 +111,8 @@ def worker(info, args):
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)  # DIST: NCCL connects on this GPU now
     if rank == 0 and info.launcher != "self" and args.asked and args.asked != world_size:
         rank_print(rank, f"{info.launcher} started {world_size} ranks; the {args.asked} asked for is ignored")
     require(args.dataset, args.data_dir)

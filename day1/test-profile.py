@@ -41,7 +41,8 @@ def worker(info, args):
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)  # DIST: NCCL connects on this GPU now
     generator = torch.Generator().manual_seed(0)  # the same dummy dataset on every rank
     images = torch.randn(args.samples, 1, 28, 28, generator=generator)
     labels = torch.randint(0, 10, (args.samples,), generator=generator)

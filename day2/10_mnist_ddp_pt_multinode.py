@@ -53,7 +53,8 @@ def worker(info, args):
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)  # DIST: the LOCAL rank picks this node's GPU
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)  # DIST: NCCL connects on this GPU now
     host = socket.gethostname()
     placement = [None] * world_size
     dist.all_gather_object(placement, (info.node_rank, host, info.local_rank))  # DIST: who runs where

@@ -101,7 +101,8 @@ def worker(info, args):
     device = setup_device(args.device, info.local_rank)  # DIST: the LOCAL rank picks this node's GPU
     directory = checkpoints.prepare(args, rank, info.launcher)  # deterministic kernels, the dir's lock, pids
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)  # DIST: NCCL connects on this GPU now
     signal.signal(signal.SIGTERM, on_stop_signal)  # after init: until here SIGTERM simply ends the process
     require(args.dataset, args.data_dir)
     train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)

@@ -85,7 +85,8 @@ def run(args):
     rank, local_rank, world_size, node, launcher = who
     device = setup_device(args.device, local_rank)  # the local rank picks this node's GPU (lesson 1)
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)  # DIST: NCCL connects on this GPU now
     host = socket.gethostname()
     value = torch.tensor([float(rank + 1)], device=device)
     rank_print(rank, f"local rank {local_rank} on node {node} ({host}) of world size {world_size}, "

@@ -96,7 +96,8 @@ def worker(info, args):
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)  # DIST: NCCL connects on this GPU now
     require(args.dataset, args.data_dir)
     train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
     test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
@@ -134,7 +135,7 @@ def worker(info, args):
         position = {k: saved[k] for k in position}
         scaler.load_state_dict(saved.get("scaler", {}))  # fp16: the loss scale reached (disabled: does nothing)
         rank_print(rank, f"resumed from {chosen[0]} (saved by {saved['world_size']} ranks): step {saved['step']}")
-    saver = dist.new_group(backend="gloo") if args.async_save else None  # DIST: the async saver's own group
+    saver = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout)) if args.async_save else None  # DIST: the saver's group
     saves = ckpt.Saves(rank, args.keep, chosen)
 
     def checkpoint(epoch, batches_done):

@@ -106,7 +106,8 @@ def worker(info, args):
     faulthandler.enable(all_threads=True)  # a rank that crashes (gloo's abort, a segfault) prints its stack
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack, now
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
-                            timeout=timedelta(seconds=args.timeout))  # DIST: how long a rank waits in a collective
+                            timeout=timedelta(seconds=args.timeout),  # DIST: how long a rank waits in a collective
+                            device_id=device if device.type == "cuda" else None)  # DIST: NCCL connects on this GPU now
     if args.debug_server:  # DIST: a web page on rank 0 with every rank's stacks and flight recorder
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))  # what it reads (torchrun sets them)
         debugging.ends_with_this_process()  # its page's process, forked from rank 0, must not outlive it

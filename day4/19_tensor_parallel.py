@@ -92,12 +92,13 @@ def worker(info, args):
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)  # DIST: NCCL connects on this GPU now
     require(args.dataset, args.data_dir)
     train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
     test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
 
-    rows = bandwidth(device, world_size, info.local_world_size, args.sizes_mib, iters=5)
+    rows = bandwidth(device, world_size, info.local_world_size, hardware.sweep_sizes(device, args.sizes_mib), iters=5)
     model = model_from_args(args, args.seed).to(device)
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))  # DIST: T ranks share each layer
     for block in model.blocks:  # DIST: rank 0's weights cut into T pieces; each rank keeps its own
@@ -116,7 +117,7 @@ def worker(info, args):
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         for x, y in loader:
-            begun = time.perf_counter()
+            begun = hardware.clock(device)  # on a GPU once its queued work is done: the step's own kernels
             counting = CommDebugMode() if step == 0 else nullcontext()  # DIST: counts DTensor's collectives
             with counting:  # step 1 only: torch counts what its forward and backward passes do
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -127,7 +128,7 @@ def worker(info, args):
             with implicit_replication():  # DIST: clip_grad_norm_ takes the plain tensors as Replicate DTensors
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)  # DIST: all ranks'
             optimizer.step()
-            step_seconds += (time.perf_counter() - begun) if step else 0.0  # step 1 is counted: not timed
+            step_seconds += (hardware.clock(device) - begun) if step else 0.0  # step 1 is counted: not timed
             losses.append(loss.detach())
             norms.append(norm.full_tensor().detach())  # DIST: the same norm on every rank
             step += 1
@@ -176,7 +177,7 @@ def build_parser():
     p = cli.add_loader(cli.add_distributed(cli.parser(__doc__, "day4/19_tensor_parallel.py", nproc_default=2)))
     p.add_argument("--precision", default="fp32", choices=("bf16", "fp32"),
                    help="the dtype of autocast's matrix products (fp16 would need lesson 13's GradScaler)")
-    p.add_argument("--sizes-mib", type=cli.positive_float, nargs="+", default=[0.25, 1.0, 4.0, 16.0], help="sizes S, MiB")
+    p.add_argument("--sizes-mib", type=cli.positive_float, nargs="+", help="sizes S, MiB; not given: 0.25 1 4 16, on GPUs on to 1024")
     p.add_argument("--clip-grad-norm", type=cli.positive_float, default=1.0,
                    help="clip the gradients' total norm to this")
     return add_profile_args(add_vit_args(p))

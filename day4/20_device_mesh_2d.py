@@ -22,6 +22,9 @@ dimension whose collectives run most often, the columns the one that can take a 
   squared norm itself and scales each mesh's gradients with clip_grads_with_norm_.
 - Before training, every rank's host name is gathered and the mesh's rows printed with their nodes: a row
   that spans two nodes puts TP's (or the shards') collectives on the slower link.
+- init_device_mesh creates a process group for every row and every column, and takes no timeout: a hang in
+  one would wait torch's default (30 minutes with gloo, 10 with NCCL).  `backend_override` gives each
+  dimension's groups options that carry --timeout (course/launching/devices.py, `mesh_timeouts`).
 - Both layouts train what one process trains with the global batch (tests/test_day4.py).  Evaluation runs
   the whole test set on every rank (a row's ranks must run the same forward).
 --inner must divide the world size; under fsdp-tp, --heads must divide among the --inner ranks.
@@ -51,7 +54,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from course.launching import cli
-from course.launching.launch import backend_for, launch, setup_device
+from course.launching.launch import backend_for, launch, mesh_timeouts, setup_device
 from course.measuring import hardware, memory, parallel
 from course.measuring.profiling import add_profile_args, maybe_profile
 from course.models import add_vit_args, check_vit_args, model_from_args, tensor_parallel_plan
@@ -100,15 +103,17 @@ def worker(info, args):
     rank, world_size = info.rank, info.world_size
     device = setup_device(args.device, info.local_rank)
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)  # DIST: NCCL connects on this GPU now
     require(args.dataset, args.data_dir)
     train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
     test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
 
-    rows = bandwidth(device, world_size, info.local_world_size, args.sizes_mib, iters=5)
+    rows = bandwidth(device, world_size, info.local_world_size, hardware.sweep_sizes(device, args.sizes_mib), iters=5)
     model = model_from_args(args, args.seed).to(device)
     names = ("dp", "tp") if args.layout == "fsdp-tp" else ("replicate", "shard")
-    mesh = init_device_mesh(device.type, (world_size // args.inner, args.inner), mesh_dim_names=names)  # DIST
+    mesh = init_device_mesh(device.type, (world_size // args.inner, args.inner), mesh_dim_names=names,  # DIST
+                            backend_override=mesh_timeouts(names, args.timeout))  # DIST: its groups' --timeout
     hosts = parallel.mesh_hosts(rank, mesh)  # DIST: every rank's node, and the rows they form
     if args.layout == "fsdp-tp":  # DIST: TP inside a row, FSDP2 across the rows
         for block in model.blocks:
@@ -134,7 +139,7 @@ def worker(info, args):
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         for x, y in loader:
-            begun = time.perf_counter()
+            begun = hardware.clock(device)  # on a GPU once its queued work is done: the step's own kernels
             counting = CommDebugMode() if step == 0 else nullcontext()  # DIST: counts DTensor's collectives
             with counting:  # step 1 only: torch counts what its forward and backward passes do
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -144,7 +149,7 @@ def worker(info, args):
             comms = parallel.collectives(counting) if step == 0 else comms  # forward and backward, by name
             norm = clip_grad_norm(list(model.parameters()), args.clip_grad_norm)  # DIST: all ranks' gradients
             optimizer.step()
-            step_seconds += (time.perf_counter() - begun) if step else 0.0  # step 1 is counted: not timed
+            step_seconds += (hardware.clock(device) - begun) if step else 0.0  # step 1 is counted: not timed
             losses.append(loss.detach())
             norms.append(norm.detach())  # the same norm on every rank
             step += 1
@@ -194,7 +199,7 @@ def build_parser():
                                                            batch_help="per data-parallel replica")))
     p.add_argument("--precision", default="fp32", choices=("bf16", "fp32"),
                    help="the dtype of autocast's matrix products (fp16 would need lesson 13's GradScaler)")
-    p.add_argument("--sizes-mib", type=cli.positive_float, nargs="+", default=[0.25, 1.0, 4.0, 16.0], help="sizes S, MiB")
+    p.add_argument("--sizes-mib", type=cli.positive_float, nargs="+", help="sizes S, MiB; not given: 0.25 1 4 16, on GPUs on to 1024")
     p.add_argument("--layout", default="fsdp-tp", choices=("fsdp-tp", "hsdp"),
                    help="fsdp-tp: TP inside each row, FSDP2 across; hsdp: sharded inside each row, replicated across")
     p.add_argument("--inner", type=cli.positive_int, default=2,

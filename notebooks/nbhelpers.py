@@ -225,14 +225,16 @@ def _display_record(record):
 
 
 def _threads(script, args, nproc):
-    """Threads per rank the run used: what course.launching.launch sets (cores / ranks of the node) unless
-    OMP_NUM_THREADS is set; torchrun runs here get OMP_NUM_THREADS=1."""
+    """Threads per rank the run used: what course.launching.launch sets (the CPUs this process may use / ranks
+    of the node) unless OMP_NUM_THREADS is set; torchrun runs here get OMP_NUM_THREADS=1."""
     if nproc is not None:
         return int(os.environ.get("OMP_NUM_THREADS", 1))
     if "OMP_NUM_THREADS" in os.environ:
         return int(os.environ["OMP_NUM_THREADS"])
     ranks = int(args[args.index("--nproc") + 1]) if "--nproc" in args else 1
-    return max(1, (os.cpu_count() or 1) // ranks)
+    from course.launching.devices import usable_cpus
+
+    return max(1, usable_cpus() // ranks)
 
 
 def _record_run(script, args, nproc, nnodes, seconds, before, after, others_around):

@@ -18,7 +18,8 @@ PYTHON = sys.executable
 # caller chose a number.  The suite runs two test streams at once on a machine that may have only two cores;
 # a lesson with 2 threads then shares its cores with the other stream, and each of its parallel regions
 # waits for a thread that is not running: one epoch of lesson 2 took 8.2 s instead of 1.4 s next to one busy
-# process.  course/launching/launch.py gives each rank OMP_NUM_THREADS threads when it is set, cores // ranks when not;
+# process.  course/launching/launch.py gives each rank OMP_NUM_THREADS threads when it is set, the CPUs it may use
+# // ranks when not (course/launching/devices.py, share_cpu_cores);
 # tests/test_lesson7_timing.py checks the default with the variable unset.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -237,6 +237,13 @@ def test_the_export_is_one_ordinary_file_with_the_same_predictions(runs, tmp_pat
     (["--resume", "if-any", "--checkpoint-dir", "{torn}"], "already holds checkpoints; none of them is complete"),
     (["--export", "{tmp}/x.pt", "--checkpoint-dir", "{tmp}/none"], "--export: the checkpoint dir {tmp}/none does"),
     (["--export", "{tmp}/x.pt", "--checkpoint-dir", "{flipped}"], "--export: {flipped} holds no intact checkpoint"),
+    # an intact checkpoint, exported where no file can be written (before: a FileNotFoundError, a
+    # FileExistsError or an IsADirectoryError traceback once the checkpoint had been read)
+    (["--export", "/proc/no/such/x.pt", "--checkpoint-dir", "{w4}"],
+     "--export /proc/no/such/x.pt cannot be written (No such file or directory)"),
+    (["--export", "{w4}/step-000000003/.metadata/x.pt", "--checkpoint-dir", "{w4}"],
+     "--export {w4}/step-000000003/.metadata/x.pt cannot be written ({w4}/step-000000003/.metadata is a file)"),
+    (["--export", "{tmp}", "--checkpoint-dir", "{w4}"], "--export {tmp} cannot be written (it is a directory)"),
 ])
 def test_bad_input_is_one_line(runs, args, says, tmp_path, capsys, monkeypatch):
     from as_main import run_as_main

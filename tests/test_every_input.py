@@ -87,8 +87,18 @@ BAD_ENV_VALUES = {
     "SLURM_LOCALID": (SRUN, ["x"]),
     "SLURM_NODEID": (SRUN, ["x"]),
     "SLURM_JOB_ID": (SRUN, ["x"]),
+    "SLURM_TASK_PID": (SRUN, ["x", "0"]),
     "OMP_NUM_THREADS": ({}, ["0", "x"]),
+    "SLURM_CPUS_PER_TASK": ({}, ["0", "x"]),  # a rank's threads (course/launching/devices.py)
     "COURSE_DATA_DIR": ({}, ["MISSING"]),
+    # read by torch, taught by the course; checked before torch is imported (course/launching/requires.py)
+    "TORCH_DISTRIBUTED_DEBUG": ({}, ["bogus", "", "1"]),
+    "TORCH_LOGS": ({}, ["bogus", "", "help", "ddp_graphs,", "torch.nosuch"]),
+    "TORCH_NCCL_BLOCKING_WAIT": ({}, ["maybe", ""]),
+    "TORCH_NCCL_DESYNC_DEBUG": ({}, ["maybe"]),
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": ({}, ["maybe"]),
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": ({}, ["x", "7"]),
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": ({}, ["x", "-1"]),
 }
 # Variables that only lessons with one of these options use (the others import the module that reads them).
 ENV_USED_WITH = {"COURSE_DATA_DIR": "--data-dir"}
@@ -99,7 +109,9 @@ ENV_NOT_WALKED = {
     "SLURM_STEP_NODELIST": "a host list handed to scontrol, which names what it cannot expand",
     "SLURM_JOB_NODELIST": "a host list handed to scontrol, which names what it cannot expand",
     "SLURM_STEP_ID": "only compared, never parsed",
-    "SLURM_GPUS_ON_NODE": "only printed",
+    "SLURM_PTY_PORT": "only whether it is set: srun --pty sets it for every task of its step",
+    "SLURM_GPUS_ON_NODE": "printed, and compared as a count of GPUs when it is a whole number (else read as unset)",
+    "SLURM_GPU_BIND": "only printed, in the line about tasks bound to the same GPUs",
     "SLURMD_NODENAME": "only printed and compared: the node a rank runs on (lesson 20's mesh rows, lesson 21's stages)",
     "SLURM_RESTART_COUNT": "set by Slurm itself on a requeue, only counted",
     "TORCHELASTIC_RESTART_COUNT": "set by torchrun itself, only counted",
@@ -248,6 +260,9 @@ def test_every_bad_environment_value_is_one_line_before_any_rank(lesson_main, le
 L4, L12 = "day1/4_mnist_manual_ddp.py", "day2/12_ddp_fault_tolerance.py"
 TP, MESH, PIPELINE = "day4/19_tensor_parallel.py", "day4/20_device_mesh_2d.py", "day4/21_pipeline_parallel.py"
 OUTSIDE = "this multi-node lesson does not start its own processes"
+PTY_SHELL_OF_4_TASKS = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                        "SLURM_NODEID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "4",
+                        "SLURM_PTY_PORT": "35539", "SLURM_TASK_PID": "1"}  # pid 1 is never the lesson's
 SAID = [  # script, arguments, environment, exit code, what the one line says
     # the parser the day-1 and day-2 training lessons share (course/launching/cli.py), on two of them
     *[(script, args, {}, 2, [said, "(see --help)"]) for script in (L4, L12) for args, said in [
@@ -274,6 +289,13 @@ SAID = [  # script, arguments, environment, exit code, what the one line says
      ["log dir FILE/log cannot be written", "--log-dir"]),
     ("day1/5_mnist_manual_ddp_profile.py", ["--log-dir", "/proc/no/such/dir"], {}, 1,
      ["log dir /proc/no/such/dir cannot be written"]),
+    # lesson 16's --export, checked before the checkpoint is read (tests/test_day3_dcp.py: with an intact one)
+    ("day3/16_distributed_checkpoint.py", ["--export", "/proc/no/such/model.pt"], {}, 1,
+     ["--export /proc/no/such/model.pt cannot be written (No such file or directory)"]),
+    ("day3/16_distributed_checkpoint.py", ["--export", "FILE/model.pt"], {}, 1,
+     ["--export FILE/model.pt cannot be written (FILE is a file)", "--export model.pt"]),
+    ("day3/16_distributed_checkpoint.py", ["--export", "/proc"], {}, 1,
+     ["--export /proc cannot be written (it is a directory)"]),
     ("day1/5_mnist_manual_ddp_profile.py", ["--max-steps", "3"], {}, 1,
      ["--max-steps 3 ends training before the profiler has recorded"]),
     # lesson 7's world sizes (a positional argument: the walk reads options only), and --sweep under torchrun
@@ -290,6 +312,21 @@ SAID = [  # script, arguments, environment, exit code, what the one line says
     ("day2/9_torch_dist_multi_node.py", [], {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
                                              "SLURM_JOB_NODELIST": "node[1-2]"}, 1,
      ["inside Slurm job 4242 but not in a job step"]),
+    # a lesson started from the shell of a plain `srun --pty bash` in an allocation of 4 tasks: a step of 4 tasks
+    # whose task 0 (SLURM_TASK_PID, not the lesson) is the shell; with or without --nproc, and a day-2 lesson
+    *[(script, args, PTY_SHELL_OF_4_TASKS, 1, ["this shell is task 0 of a Slurm step of 4 tasks",
+                                               "ranks that never come",
+                                               "srun --ntasks=1 --cpus-per-task=$SLURM_JOB_CPUS_PER_NODE --pty bash"])
+      for script, args in [(L4, []), (L4, ["--nproc", "2"]), ("day2/9_torch_dist_multi_node.py", [])]],
+    # variables torch reads (the walk gives every lesson more bad values): torch itself would stop with a
+    # traceback, at import torch or at init_process_group; the lessons that teach them, and lesson 0
+    *[(script, [], {name: value}, 1, [f"{name}={value!r}", said]) for script, name, value, said in [
+        ("day3/17_debugging_hangs.py", "TORCH_DISTRIBUTED_DEBUG", "bogus", "is not OFF, INFO or DETAIL"),
+        ("day1/0_torch_dist.py", "TORCH_DISTRIBUTED_DEBUG", "", "is not OFF, INFO or DETAIL"),
+        ("day3/13_mixed_precision.py", "TORCH_LOGS", "ddp_graph", "'ddp_graph' is not a log or artifact name"),
+        ("day3/17_debugging_hangs.py", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "x", "is not 0, 1, 2 or 3"),
+        ("day3/17_debugging_hangs.py", "TORCH_NCCL_BLOCKING_WAIT", "on", "is neither on nor off for torch"),
+    ]],
     # rank 0 of an srun step told to listen on another host (rank 1, which waits for it: tests/test_faults.py)
     ("day1/6_mnist_ddp_pt.py", [], {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1",
                                     "SLURM_LOCALID": "0", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",

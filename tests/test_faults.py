@@ -175,6 +175,24 @@ def test_every_process_group_init_has_a_timeout():
     assert [c for c in calls if "timeout" not in c[2]] == []
 
 
+def test_every_group_a_lesson_creates_has_a_timeout():
+    """A group made after init_process_group does not inherit its timeout (torch 2.14.1: new_group and
+    split_group wait 30 minutes with gloo, 10 with NCCL, unless told): every dist.new_group names one, and every
+    init_device_mesh of two or more dimensions passes backend_override (course/launching/devices.py,
+    mesh_timeouts).  A 1-D mesh over every rank is the default group itself.  tests/test_device_check.py reads
+    the timeouts of the running groups."""
+    calls = []
+    for path in [*REPO.glob("day*/*.py"), *REPO.glob("course/**/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = getattr(node.func, "attr", getattr(node.func, "id", "")) if isinstance(node, ast.Call) else ""
+            dims = len(node.args[1].elts) if name == "init_device_mesh" and len(node.args) > 1 and \
+                isinstance(node.args[1], ast.Tuple) else 1
+            if name == "new_group" or dims > 1:
+                calls.append((str(path.relative_to(REPO)), node.lineno, {k.arg for k in node.keywords}))
+    assert {c[0] for c in calls} >= {"day3/16_distributed_checkpoint.py", "day4/20_device_mesh_2d.py"}, calls
+    assert [c for c in calls if not {"timeout", "backend_override"} & c[2]] == []
+
+
 @pytest.mark.parametrize("addr", ["192.0.2.1", "no-such-host.invalid"])  # TEST-NET-1 is never routed
 def test_a_rank_that_cannot_reach_rank0_gives_up_within_the_timeout(monkeypatch, addr):
     from course.launching.cli import CourseError

@@ -1,11 +1,13 @@
 """How `python lesson.py --nproc N` starts its ranks (course/launching/launch.py and supervise.py): forked from
 one fork server that has imported torch, each with the environment of its own launch; COURSE_START_METHOD=spawn
 for fresh interpreters instead."""
+import os
 import re
 
 import pytest
 
 from conftest import PYTHON, REPO, run
+from course.launching.ports import free_port
 
 TWICE = REPO / "tests" / "launch_twice.py"
 
@@ -83,3 +85,25 @@ def test_forking_after_threads_have_run_hangs_which_is_why_it_is_refused():
     # passive: the stuck child sleeps instead of spinning on a core for those seconds
     assert run([PYTHON, "-c", code, "2", "8"], env={"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": "PASSIVE"}
                ).stdout.strip() == "stuck"
+
+
+ONE_CPU = ("import os, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "  # as taskset -c N would
+           "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
+@pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda _: ())(0)) < 2, reason="needs 2 CPUs to leave one out")
+@pytest.mark.parametrize("how", ["affinity of one CPU, --nproc 1", "srun task with --cpus-per-task=1"])
+def test_a_rank_computes_with_the_threads_of_the_cpus_it_may_use(how):
+    """A rank's threads, as the lesson's launch set them (tests/threads_of_rank.py): 1 in a process that may
+    run on one CPU (taskset, a Slurm binding) and in an srun task given --cpus-per-task=1 (simulated: the
+    variables of a one-task step).  The old rule counted the machine's CPUs, os.cpu_count(): 2 or more here."""
+    cmd = [PYTHON, REPO / "tests" / "threads_of_rank.py", REPO / "day1" / "0_torch_dist.py"]
+    env = {"OMP_NUM_THREADS": None, **{n: None for n in os.environ if n.startswith("SLURM_")}}
+    if how.startswith("affinity"):
+        cmd = [PYTHON, "-c", ONE_CPU, *cmd[1:], "--nproc", "1"]
+    else:
+        env.update(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0",
+                   SLURM_STEP_NUM_TASKS="1", SLURM_STEP_TASKS_PER_NODE="1", SLURM_CPUS_PER_TASK="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    out = run(cmd, env=env, timeout=120).stdout
+    assert re.search(r"^threads of rank \S+: 1 \(OMP_NUM_THREADS=None\)$", out, flags=re.M), out

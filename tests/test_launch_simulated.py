@@ -13,6 +13,7 @@ A fake GPU answers the device count, the capability and the name; asking for the
 torch.cuda.is_bf16_supported() (which makes a bf16 tensor on the current device, cuda:0 before a rank has
 set its own), fails the test.
 """
+import os
 import runpy
 from types import SimpleNamespace
 
@@ -23,12 +24,13 @@ import course.launching.devices
 from conftest import REPO
 from course.launching.cli import CourseError
 from course.launching.devices import setup_device, tasks_on_this_node
+from course.launching.environment import ONE_TASK_SHELL
 from course.launching.launch import detect_launcher, world_size
 
 LAUNCH_VARIABLES = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "CUDA_VISIBLE_DEVICES",
                     "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
                     "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_JOB_ID", "SLURM_STEP_ID",
-                    "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_TASK", "SLURM_STEP_GPUS"]
+                    "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_TASK", "SLURM_STEP_GPUS", "SLURM_PTY_PORT", "SLURM_TASK_PID"]
 
 
 @pytest.fixture
@@ -127,6 +129,48 @@ def test_tasks_bound_to_two_gpus_each_take_distinct_ones(machine):
     assert setup_device("cuda", 1) == torch.device("cuda", 1)
 
 
+# What each task of a node with 4 GPUs (two sockets: GPUs 0,1 and 2,3) sees, by binding (seen as Slurm sets
+# CUDA_VISIBLE_DEVICES per task, SLURM_GPUS_ON_NODE the step's 4): --gpu-bind=closest gives a task every GPU
+# of its socket, and srun's default distribution deals the tasks to the sockets in turn (cyclic).
+BINDINGS = {
+    "--gpu-bind=single:1": ["0", "1", "2", "3"],
+    "--gpus-per-task=2 (2 tasks)": ["0,1", "2,3"],
+    "--gpu-bind=closest, cyclic over sockets": ["0,1", "2,3", "0,1", "2,3"],
+    "SLURM_GPU_BIND=closest (a site default), cyclic": ["0,1", "2,3", "0,1", "2,3"],
+    "--gpu-bind=closest, one GPU per socket": ["0", "1", "0", "1"],  # 4 tasks, a step of 2 GPUs
+}
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+def test_bound_tasks_take_distinct_gpus_or_every_task_stops_with_one_line(machine, monkeypatch, binding):
+    """Every task of the node, one after the other: the physical GPUs they take (CUDA_VISIBLE_DEVICES at the
+    index chosen) are all different, or each task stops before init with one line naming the flags that give
+    a task a GPU of its own.  The old choice, local rank % visible, put tasks 0 and 2 of --gpu-bind=closest on
+    GPU 0 and NCCL stopped with 'Duplicate GPU detected'."""
+    monkeypatch.delenv("SLURM_GPU_BIND", raising=False)
+    if binding.startswith("SLURM_GPU_BIND"):
+        monkeypatch.setenv("SLURM_GPU_BIND", "closest")
+    sets = BINDINGS[binding]
+    on_node = len({gpu for seen in sets for gpu in seen.split(",")})
+    taken, lines = [], []
+    for localid, seen in enumerate(sets):
+        machine.gpus(len(seen.split(",")))
+        srun_task(machine, localid, len(sets), gpus_on_node=on_node, visible=seen)
+        try:
+            taken.append(seen.split(",")[setup_device("cuda", localid).index])
+        except CourseError as e:
+            lines.append(str(e))
+    if "closest" not in binding:
+        assert lines == [] and len(set(taken)) == len(sets), taken
+        return
+    assert taken == [] and machine.current == [] and len(lines) == len(sets), (taken, lines)
+    line = lines[0]
+    assert line.startswith(f"{len(sets)} Slurm tasks on this node each see {len(sets[0].split(','))} GPU(s) of "
+                           f"the {on_node} the step has here") and "\n" not in line, line
+    assert "srun --gpus-per-task=1, or --gpu-bind=single:1" in line, line
+    assert ("SLURM_GPU_BIND=closest here" if binding.startswith("SLURM") else "--gpu-bind=closest") in line, line
+
+
 @pytest.mark.parametrize("localid", [0, 1, 2])
 def test_more_slurm_tasks_than_shared_gpus_is_one_line_in_every_task(machine, localid):
     """3 tasks on a node whose step has 2 GPUs that every task sees: every task stops with the same line, the
@@ -183,6 +227,36 @@ def test_tasks_per_node_is_this_nodes_count(monkeypatch):
         counts.append(tasks_on_this_node())
     assert counts == [2, 2, 1]
 
+# ------------------------------------------------------------------------------------ threads per rank
+
+@pytest.mark.parametrize("launcher, ranks, cpus_per_task, affinity, threads", [
+    ("srun", 2, 2, 64, 2),        # srun --ntasks-per-node=2 --cpus-per-task=2 on a 64-CPU node, tasks not bound
+    ("srun", 2, 2, 1, 1),         # the same, each task bound to one CPU: no more than it may use
+    ("srun", 2, None, 64, 32),    # no --cpus-per-task: the tasks count as sharing what they see, as before
+    ("self", 2, None, 4, 2),      # taskset -c 0-3 python lesson.py --nproc 2: the ranks share the 4
+    ("torchrun", 4, 8, 64, 2),    # srun --cpus-per-task=8 torchrun --nproc_per_node=4: the task's 8, shared
+    ("self", 2, 8, 64, 4),        # --nproc 2 in a one-task step (srun --cpus-per-task=8 --pty bash)
+])
+def test_threads_per_rank_come_from_the_cpus_the_rank_may_use(monkeypatch, launcher, ranks, cpus_per_task,
+                                                              affinity, threads):
+    """Not os.cpu_count(): the old rule gave each of 2 srun tasks with --cpus-per-task=2 on a 64-CPU node
+    32 threads, 16 times the CPUs Slurm gave it."""
+    from course.launching.devices import share_cpu_cores
+
+    asked = []
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    if cpus_per_task is not None:
+        monkeypatch.setenv("SLURM_CPUS_PER_TASK", str(cpus_per_task))
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(affinity)))
+    monkeypatch.setattr(torch, "set_num_threads", asked.append)
+    share_cpu_cores(ranks, launcher)
+    assert asked == [threads]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # set by you or the launcher: it wins
+    share_cpu_cores(ranks, launcher)
+    assert asked == [threads]
+
 
 def test_lesson1_puts_a_bound_task_on_its_own_gpu_and_stops_torchrun_ranks_that_share_one(machine, monkeypatch):
     """Lesson 1's own worker, up to its init_process_group: the device it chose, or its one line."""
@@ -207,6 +281,71 @@ def test_lesson1_puts_a_bound_task_on_its_own_gpu_and_stops_torchrun_ranks_that_
         worker(SimpleNamespace(rank=1, local_rank=1, world_size=2, local_world_size=2, launcher="torchrun"), args)
 
 
+# ---------------------------------------------------------------------------- init_process_group(device_id=)
+
+# The lessons that join a process group; lesson 0 joins with gloo on the CPU only (no device to bind).
+JOINING = sorted(str(p.relative_to(REPO)) for d in ("day1", "day2", "day3", "day4") for p in (REPO / d).glob("*.py")
+                 if "init_process_group(" in p.read_text() and p.name != "0_torch_dist.py")
+DEVICE_ID = 'device if device.type == "cuda" else None'
+
+
+def test_every_lesson_binds_its_process_group_to_its_gpu_the_same_way():
+    """Each lesson's init_process_group passes device_id, written as every other lesson writes it: its GPU on a
+    GPU (NCCL connects at init, on that GPU: a mismatch shows there, and barrier() knows its device instead of
+    warning at every call), None on the CPU (torch 2.14.1 refuses a CPU device_id: "must be an accelerator")."""
+    import ast
+
+    assert len(JOINING) == 21, JOINING
+    found = {}
+    for script in JOINING:
+        calls = [node for node in ast.walk(ast.parse((REPO / script).read_text())) if isinstance(node, ast.Call)
+                 and ast.unparse(node.func) == "dist.init_process_group"]
+        found[script] = [next((ast.unparse(k.value) for k in c.keywords if k.arg == "device_id"), None) for c in calls]
+    assert found == {script: [DEVICE_ID.replace('"', "'")] for script in JOINING}
+
+
+# What a lesson needs, besides --device (lesson 1: --backend) and --quick, to reach its init_process_group as
+# one rank; {tmp}: a directory of the test's own
+TO_INIT = {"day1/5_mnist_manual_ddp_profile.py": ["--log-dir", "{tmp}/log"],
+           "day1/test-profile.py": ["--log-dir", "{tmp}/log"],
+           "day2/11_mnist_ddp_pt_multinode_streaming.py": ["--h5-file", "{h5}"],
+           "day2/12_ddp_fault_tolerance.py": ["--checkpoint-dir", "{tmp}/ckpt"],
+           "day3/15_fsdp2.py": ["--memory-budget-mb", "0"],  # 0: no budget, which one rank would not meet
+           "day3/16_distributed_checkpoint.py": ["--memory-budget-mb", "0"],
+           "day4/20_device_mesh_2d.py": ["--inner", "1"]}
+NO_DATA = ("day1/1_torch_dist_gpu.py", "day1/test-profile.py", "day2/9_torch_dist_multi_node.py")  # no --quick
+
+
+@pytest.mark.parametrize("script", JOINING)
+def test_every_lesson_passes_its_ranks_gpu_as_device_id(machine, monkeypatch, dataset, request, tmp_path, script):
+    """Each lesson as torchrun's only rank on a node with one (fake) GPU, up to its init_process_group, which
+    records what it was given: device_id is the GPU the rank made current; with --device cpu, None."""
+    import torch.distributed as dist
+
+    class Joined(Exception):
+        pass
+
+    def init_process_group(*_, **kwargs):
+        raise Joined(kwargs.get("device_id", "missing"))
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    h5 = request.getfixturevalue("mnist_h5").path if "11_" in script else None
+    machine.gpus(1)
+    machine.env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_WORLD_SIZE=1, GROUP_RANK=0, MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=29500)
+    seen = {}
+    for device in ("cuda", "cpu"):
+        tmp = tmp_path / device
+        argv = [str(REPO / script), *(["--backend", {"cuda": "nccl", "cpu": "gloo"}[device]] if "1_torch" in script
+                                      else ["--device", device]),
+                *([] if script in NO_DATA else ["--quick", "--run-dir", str(tmp / "run")]),
+                *(a.format(tmp=tmp, h5=h5) for a in TO_INIT.get(script, []))]
+        monkeypatch.setattr("sys.argv", argv)
+        with pytest.raises(Joined) as joined:
+            runpy.run_path(argv[0], run_name="__main__")
+        seen[device] = joined.value.args[0]
+    assert seen == {"cuda": torch.device("cuda", 0), "cpu": None}, seen
+
 # ------------------------------------------------------------------------------------- which launcher
 
 def lesson0_args(*argv):
@@ -215,9 +354,9 @@ def lesson0_args(*argv):
 
 
 def test_an_explicit_nproc_in_a_one_task_step_starts_that_many_ranks(machine):
-    """`srun --pty bash` (or any `srun -n1`), then `python day1/0_torch_dist.py --nproc 2`: the lesson starts
-    2 ranks itself; without --nproc the step's one task is the one rank, as before."""
-    srun_task(machine, 0, 1)
+    """`srun --ntasks=1 ... --pty bash` (or any `srun -n1`), then `python day1/0_torch_dist.py --nproc 2`: the
+    lesson starts 2 ranks itself; without --nproc the step's one task is the one rank, as before."""
+    srun_task(machine, 0, 1, SLURM_PTY_PORT=35539, SLURM_TASK_PID=1)  # the shell is the task, not the lesson
     asked = lesson0_args("--nproc", "2")
     assert (detect_launcher(asked), world_size(asked)) == ("self", 2)
     default = lesson0_args()
@@ -234,6 +373,41 @@ def test_an_nproc_that_disagrees_with_a_multi_task_step_is_one_line_from_task_0(
         detect_launcher(lesson0_args("--nproc", "2"))
     assert e.value.code == 1
     assert detect_launcher(lesson0_args("--nproc", "4")) == "srun"
+
+
+def test_a_lesson_from_the_pty_shell_of_a_multi_task_step_is_one_line_naming_the_one_task_shell(machine):
+    """`salloc --ntasks-per-node=4`, then a plain `srun --pty bash`: a step of 4 tasks (seen on the test Slurm:
+    every task has SLURM_PTY_PORT, SLURM_TASK_PID is the pid of the task's own process, the shell; only task 0
+    has the terminal, the other shells end at once).  A lesson started in that shell, with or without --nproc,
+    says so in one line and gives the docs' one-task command (before: it waited for ranks 1-3 until its
+    timeout, or refused --nproc as if srun had started the ranks)."""
+    shell = 1  # never this process
+    for argv in ([], ["--nproc", "2"], ["--nproc", "4"]):
+        srun_task(machine, 0, 4, SLURM_PTY_PORT=35539, SLURM_TASK_PID=shell)
+        with pytest.raises(CourseError, match=r"^this shell is task 0 of a Slurm step of 4 tasks .* 3 ranks that "
+                                              r"never come: .* srun --ntasks=1 --cpus-per-task=\$SLURM_JOB_CPUS_"
+                                              r"PER_NODE --pty bash$"):
+            detect_launcher(lesson0_args(*argv))
+    srun_task(machine, 2, 4, SLURM_PTY_PORT=35539, SLURM_TASK_PID=shell)  # no terminal: no line of its own
+    with pytest.raises(SystemExit) as e:
+        detect_launcher(lesson0_args())
+    assert e.value.code == 1
+    # `srun --pty --ntasks=4 python lesson.py`: each lesson is its task's own process, the step's ranks
+    for task in range(4):
+        srun_task(machine, task, 4, SLURM_PTY_PORT=35539, SLURM_TASK_PID=os.getpid())
+        assert detect_launcher(lesson0_args()) == "srun"
+    # an ordinary `srun --ntasks=4 python lesson.py` (no SLURM_PTY_PORT), tasks 0 and 3: unaffected
+    for task in (0, 3):
+        machine.no_launcher()
+        srun_task(machine, task, 4, SLURM_TASK_PID=os.getpid())
+        assert (detect_launcher(lesson0_args()), world_size(lesson0_args())) == ("srun", 4)
+
+
+def test_the_docs_shell_on_a_compute_node_is_the_one_task_shell_the_lessons_name():
+    """The JupyterLab route of docs/learners/running-lessons.md opens its shell with the command the one line
+    above gives (tests/test_day2_slurm.py runs both as typed there, on the test Slurm)."""
+    docs = (REPO / "docs" / "learners" / "running-lessons.md").read_text().splitlines()
+    assert [line for line in docs if line.startswith("srun ") and "--pty" in line] == [ONE_TASK_SHELL]
 
 
 def test_world_size_helpers_follow_the_launcher_not_the_jobs_task_count(machine):

@@ -30,8 +30,11 @@ def timings(run_dir) -> list:
 
 
 def default_threads(ranks_on_node: int) -> int:
-    """What course.launching.launch gives each rank when OMP_NUM_THREADS is not set: the node's cores // its ranks."""
-    return max(1, os.cpu_count() // ranks_on_node)
+    """What course.launching.launch gives each rank when OMP_NUM_THREADS is not set: the CPUs its process may use
+    (its affinity set, no more than SLURM_CPUS_PER_TASK) // its ranks."""
+    from course.launching.devices import usable_cpus
+
+    return max(1, usable_cpus() // ranks_on_node)
 
 
 def probe_lines(stdout: str) -> dict:

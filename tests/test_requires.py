@@ -156,3 +156,23 @@ def test_a_day_3_lesson_started_by_hand_on_a_torch_too_old_says_so_in_one_line(t
     done = subprocess.run([python, REPO / "day1" / "0_torch_dist.py", "--help"], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)  # days 1-2 ask for no newer torch
     assert done.returncode == 0 and "usage:" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("name, value, said", [
+    ("TORCH_DISTRIBUTED_DEBUG", "bogus", "is not OFF, INFO or DETAIL"),
+    ("TORCH_LOGS", "bogus", "'bogus' is not a log or artifact name torch knows"),
+    ("TORCH_LOGS", "", "set but empty"),
+])
+def test_a_value_torch_refuses_at_import_is_one_line_before_torch_is_imported(tmp_path, name, value, said):
+    """torch 2.14.1 reads these while `import torch` runs and stops with a ValueError (TORCH_LOGS="": an
+    AttributeError) before a lesson's first line after it; the lesson's require(__file__) comes first and says
+    it in one line (before: a traceback of 10-20 lines in every process started)."""
+    done = subprocess.run([sys.executable, REPO / "day1" / "0_torch_dist.py", "--nproc", "2"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path, env={**os.environ, name: value})
+    assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"error: 0_torch_dist.py: {name}={value!r}"), \
+        done.stderr
+    assert said in done.stderr and "Traceback" not in done.stderr
+    pure = subprocess.run([sys.executable, "-c", "import torch.distributed"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env={**os.environ, name: value})
+    assert pure.returncode == 1 and "Traceback" in pure.stderr  # what torch does with it on its own

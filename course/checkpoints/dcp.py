@@ -294,11 +294,16 @@ def export(args) -> Path:
     included)."""
     import torch.distributed.checkpoint as dcp
 
-    from course.launching.cli import CourseError
+    from course.launching.cli import CourseError, unwritable
     from course.models import ViT, build_model
     from course.training.output import save_weights
 
-    directory, out = Path(args.checkpoint_dir or args.run_dir / "checkpoints"), args.export
+    directory, out = Path(args.checkpoint_dir or args.run_dir / "checkpoints"), Path(args.export)
+    problem = "it is a directory" if out.is_dir() else unwritable(out.parent)  # before the checkpoint is read
+    if problem:
+        problem = f"{out.parent} is a file" if problem == "it is a file" else problem
+        raise CourseError(f"--export {out} cannot be written ({problem}); give a file in a directory you can "
+                          f"write, e.g. --export model.pt")
     if not directory.is_dir():
         raise CourseError(f"--export: the checkpoint dir {directory} does not exist; give it with --checkpoint-dir")
     path, info = next(((p, i) for p, i in published(directory) if share_intact(p, i, 0, 1, say=print)), (None, None))

@@ -77,7 +77,7 @@ def parser(doc: str, lesson: str, *, data=True, outputs=True, nproc_default=None
     if nproc_default is not None:
         p.add_argument("--nproc", type=positive_int, default=nproc_default, action=NprocGiven,
                        help="processes to spawn when started with plain python, also in a one-task srun step "
-                            "such as srun --pty bash (ignored under torchrun; under srun with several tasks "
+                            "such as srun --ntasks=1 --pty bash (ignored under torchrun; under srun with several tasks "
                             "they are the ranks)")
     if data:
         p.add_argument("--dataset", default=DEFAULT_DATASET, choices=sorted(DATASETS), help="which dataset")

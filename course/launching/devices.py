@@ -7,7 +7,12 @@ not a hang.  Which GPU is decided from what the rank sees, not from one Slurm va
   GPUs Slurm gave the step on this node (SLURM_GPUS_ON_NODE), or that Slurm gave no GPUs to at all;
 - an srun task that sees fewer GPUs than the step has on its node was bound to them (--gpus-per-task,
   --gpu-bind=single:1 or map_gpu, a site's default binding): its GPUs are numbered from cuda:0, and it takes
-  cuda:<local rank % visible>, which is cuda:0 when it sees one.
+  cuda:<local rank % visible>, which is cuda:0 when it sees one.  That is safe only while the tasks' sets
+  cannot overlap: when the node's tasks x the GPUs each sees exceed the step's GPUs on the node
+  (--gpu-bind=closest, or SLURM_GPU_BIND=closest as a site default, gives each task all the GPUs of its
+  socket, and srun deals the tasks out to the sockets in turn), two tasks would take the same GPU and NCCL
+  refuses it; no task can tell from what it sees which GPU is its own, so every task stops with one line
+  naming --gpus-per-task=1 or --gpu-bind=single:1.
 course/launching/launch.py finds the ranks and calls these; course/launching/ports.py chooses where rank 0 listens;
 course/launching/supervise.py starts and watches the ranks of `--nproc N`.
 """
@@ -66,6 +71,9 @@ def gpu_index(local_rank: int, local_world_size: int, launcher: str) -> int:
     Reads only the device count: nothing is allocated, no GPU is made current."""
     visible = torch.cuda.device_count()
     if launcher == "srun" and bound_by_slurm(visible):
+        on_node = os.environ.get("SLURM_GPUS_ON_NODE", "")
+        if on_node.isdigit() and local_world_size * visible > int(on_node):  # the tasks' GPU sets overlap
+            raise CourseError(overlapping_gpus(local_world_size, visible, int(on_node)))
         return local_rank % visible
     if local_world_size > visible:  # every rank of the node says so, none is left waiting for the others
         raise CourseError(too_many_ranks(local_world_size, visible, launcher))
@@ -83,6 +91,16 @@ def too_many_ranks(ranks: int, visible: int, launcher: str) -> str:
         return line + (f"give the torchrun task all the node's GPUs (srun --gpus-per-task={ranks}, or "
                        f"--gpus-per-node), start {visible} ranks per node at most, or use --device cpu")
     return line + f"start {visible} ranks per node at most, or use --device cpu"
+
+
+def overlapping_gpus(tasks: int, visible: int, on_node: int) -> str:
+    """Every task of the node says this: Slurm bound each to GPUs that other tasks were bound to as well."""
+    site = os.environ.get("SLURM_GPU_BIND", "")
+    how = f"SLURM_GPU_BIND={site} here" if site else "--gpu-bind=closest, or a site default in SLURM_GPU_BIND"
+    return (f"{tasks} Slurm tasks on this node each see {visible} GPU(s) of the {on_node} the step has here, so "
+            f"some tasks were bound to the same GPUs ({how}: each task gets all the GPUs of its socket); no task "
+            f"can tell which of them is its own, and NCCL needs a GPU of its own for every rank: ask Slurm for a "
+            f"GPU per task (srun --gpus-per-task=1, or --gpu-bind=single:1), or use --device cpu")
 
 
 def setup_device(device: str, local_rank: int) -> torch.device:
@@ -106,6 +124,26 @@ def backend_for(device: torch.device, backend: str = "auto") -> str:
     return backend
 
 
+def mesh_timeouts(dims, seconds: float) -> dict:
+    """init_device_mesh's `backend_override` that gives the process groups of every mesh dimension in `dims` the
+    lesson's --timeout.  init_device_mesh takes no timeout: the groups it creates for a dimension (new_group, or
+    split_group when the default group is bound to a GPU) would otherwise wait torch's default, 30 minutes with
+    gloo and 10 with NCCL (torch 2.14.1), not --timeout.  It passes each dimension's options' `_timeout` to those
+    groups; NCCL takes only its own options class.  One options object per dimension, of the default group's
+    backend (init_process_group first)."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    def options():
+        if dist.get_backend() == "nccl":
+            nccl = dist.ProcessGroupNCCL.Options()
+            nccl._timeout = timedelta(seconds=seconds)
+            return nccl
+        return dist.distributed_c10d.C10DBackend.Options(dist.get_backend(), timedelta(seconds=seconds))
+
+    return {dim: options() for dim in dims}
+
+
 def check_enough_gpus(args, nproc: int) -> None:
     """Before starting `nproc` ranks: the errors setup_device/backend_for would raise in every rank, as one line."""
     device, backend = getattr(args, "device", None), getattr(args, "backend", "auto")
@@ -121,7 +159,21 @@ def check_enough_gpus(args, nproc: int) -> None:
                           f"{gpus}; {fix}")
 
 
-def share_cpu_cores(ranks_on_node: int) -> None:
-    """Ranks on one node share its cores; oversubscribing them makes every rank slower.  OMP_NUM_THREADS wins."""
+def usable_cpus() -> int:
+    """The CPUs this process may run on, not the machine's: its affinity set (taskset, a Slurm task's binding,
+    a container's cpuset), and no more than Slurm gave a task (SLURM_CPUS_PER_TASK, --cpus-per-task) when set."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity sets outside Linux
+        cpus = os.cpu_count() or 1
+    per_task = os.environ.get("SLURM_CPUS_PER_TASK", "").strip()  # checked before any rank: environment.py
+    return min(cpus, int(per_task)) if per_task.isdigit() and int(per_task) > 0 else cpus
+
+
+def share_cpu_cores(ranks_on_node: int, launcher: str = "self") -> None:
+    """Ranks share the CPUs they may use; oversubscribing them makes every rank slower.  OMP_NUM_THREADS wins.
+    The ranks of `--nproc N` and of torchrun share their process's CPUs (usable_cpus() // ranks); an srun task
+    given --cpus-per-task has its own SLURM_CPUS_PER_TASK, and without it is counted as sharing what it sees."""
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
+        own = launcher == "srun" and os.environ.get("SLURM_CPUS_PER_TASK", "").strip().isdigit()
+        torch.set_num_threads(max(1, usable_cpus() if own else usable_cpus() // ranks_on_node))

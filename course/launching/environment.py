@@ -26,12 +26,21 @@ LAUNCH_VARIABLES = {  # the sizes first: a rank's range is read from them
     "SLURM_PROCID": ("srun", 0, "SLURM_STEP_NUM_TASKS"),
     "SLURM_LOCALID": ("srun", 0, None), "SLURM_NODEID": ("srun", 0, None), "SLURM_JOB_ID": ("Slurm", 0, None),
     "MASTER_PORT": ("the launcher, or you", 0, None), "OMP_NUM_THREADS": ("you or the launcher", 1, None),
+    "SLURM_TASK_PID": ("srun", 1, None),
+    "SLURM_CPUS_PER_TASK": ("Slurm (--cpus-per-task)", 1, None),  # a rank's threads: devices.usable_cpus
 }
+
+# The shell on a compute node that the docs give (docs/learners/running-lessons.md, JupyterLab there): one task
+# with all the allocation's cores on the node (srun >= 22.05 does not take --cpus-per-task from salloc), its GPUs
+# (a step gets all of the job's by default).  A plain `srun --pty bash` in an allocation of N tasks is a step of N
+# tasks: N shells, of which only task 0's has the terminal; the others end at once.
+ONE_TASK_SHELL = "srun --ntasks=1 --cpus-per-task=$SLURM_JOB_CPUS_PER_NODE --pty bash"
 
 
 def check_launch_environment() -> None:
     """Before any rank starts: every launch variable that is set holds a whole number in its range (MASTER_PORT
-    a port, MASTER_ADDR a name), or one line naming it, its value and who sets it."""
+    a port, MASTER_ADDR a name), or one line naming it, its value and who sets it.  A lesson started from the
+    shell of an srun --pty step of several tasks is one line too (its ranks would never come)."""
     env = os.environ
     for name, (setter, least, below) in LAUNCH_VARIABLES.items():
         if name not in env:
@@ -46,6 +55,23 @@ def check_launch_environment() -> None:
                               f"the lesson with the launcher that sets it")
     if "MASTER_ADDR" in env and not env["MASTER_ADDR"].strip():
         raise CourseError("MASTER_ADDR is set but empty: give rank 0's hostname, or unset it")
+    torchrun = all(k in env for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))  # its ranks: torchrun's world
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1"))
+    if not torchrun and "SLURM_PROCID" in env and tasks > 1 and started_from_a_pty_step_shell():
+        if int(env["SLURM_PROCID"]) != 0:
+            raise SystemExit(1)  # a task without the terminal (srun --pty gives the other tasks /dev/null)
+        raise CourseError(f"this shell is task 0 of a Slurm step of {tasks} tasks (srun --pty bash in an "
+                          f"allocation of {tasks} tasks starts {tasks} shells; the other {tasks - 1} ended at "
+                          f"once), so this lesson would wait for {tasks - 1} ranks that never come: leave it "
+                          f"(exit) and open a one-task shell: {ONE_TASK_SHELL}")
+
+
+def started_from_a_pty_step_shell() -> bool:
+    """Whether this process was started from the shell (or a notebook) of an `srun --pty` step, not as a task.
+    srun --pty gives every task of its step SLURM_PTY_PORT; SLURM_TASK_PID is the process srun started for the
+    task: the lesson itself under `srun [--pty] python lesson.py`, the shell under `srun --pty bash`."""
+    task = os.environ.get("SLURM_TASK_PID", "").strip()
+    return "SLURM_PTY_PORT" in os.environ and task.isdigit() and int(task) != os.getpid()
 
 
 def detect_launcher(args=None) -> str:

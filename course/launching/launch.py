@@ -5,10 +5,12 @@
     srun python lesson.py               Slurm set SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, the node list
     srun torchrun ...                   torchrun's variables win (one agent per node, as day 2 teaches)
 
-An explicit `--nproc N` inside a one-task srun step (`srun --pty bash` on a compute node, the way to JupyterLab
-there; any `srun -n1`) starts N ranks itself: that step's task is one shell or notebook, not a rank.  In a step
-of several tasks srun has started the ranks already; an --nproc that disagrees with their number is one line
-(each task would otherwise start N ranks of its own, N x tasks processes fighting over the GPUs and the outputs).
+An explicit `--nproc N` inside a one-task srun step (`srun --ntasks=1 ... --pty bash` on a compute node, the
+way to JupyterLab there; any `srun -n1`) starts N ranks itself: that step's task is one shell or notebook, not a
+rank.  In a step of several tasks srun has started the ranks already; an --nproc that disagrees with their number
+is one line (each task would otherwise start N ranks of its own, N x tasks processes fighting over the GPUs and
+the outputs).  A lesson started from the shell of such a step (a plain `srun --pty bash` in an allocation of
+several tasks) is one line too: the other tasks' shells have ended, their ranks would never come.
 
 Every launcher ends in the same place: `worker(info, args)` runs once per rank with MASTER_ADDR and
 MASTER_PORT in the environment, ready for `dist.init_process_group(...)`, which each lesson calls itself.
@@ -27,10 +29,10 @@ from pathlib import Path
 from course.launching.cli import CourseError
 # detect_launcher and world_size (environment.py) are imported from here by lessons and modules alike
 from course.launching.environment import check_launch_environment, detect_launcher, nproc_asked, world_size  # noqa: F401
-# backend_for, setup_device and gpu_index are imported from here by the lessons: one import line for the
-# launch model
-from course.launching.devices import backend_for, check_enough_gpus, gpu_index, setup_device, share_cpu_cores, \
-    tasks_on_this_node, use_layout  # noqa: F401
+# backend_for, setup_device, gpu_index and mesh_timeouts are imported from here by the lessons: one import line
+# for the launch model
+from course.launching.devices import backend_for, check_enough_gpus, gpu_index, mesh_timeouts, setup_device, \
+    share_cpu_cores, tasks_on_this_node, use_layout  # noqa: F401
 from course.launching.ports import check_master_addr_is_here, check_port_is_free, free_port, slurm_master_port, \
     wait_for_rank0
 from course.launching.supervise import before_init_process_group, failures_as_one_line, run_ranks
@@ -99,7 +101,7 @@ def _torchrun_info() -> RankInfo:
 
 def _run(worker, info: RankInfo, args):
     """One rank, however it was started: its share of the cores, then the lesson's worker."""
-    share_cpu_cores(info.local_world_size)
+    share_cpu_cores(info.local_world_size, info.launcher)
     before_init_process_group()
     use_layout(info.local_world_size, info.launcher)  # for setup_device, which the lesson calls with its local rank
     try:

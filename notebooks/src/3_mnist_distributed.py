@@ -88,6 +88,7 @@ plt.show()
 
 import os
 
+from course.launching.devices import usable_cpus
 from course.training.output import load_weights
 
 single = read_json(RUN / "nproc1" / "metrics.json")
@@ -95,7 +96,7 @@ slowest, alone = max(seconds[NPROC]), seconds[1][0]
 ranks_w, single_w = load_weights(REPO / RUN / "model.pt"), load_weights(REPO / RUN / "nproc1" / "model.pt")
 diff = max((ranks_w[k] - single_w[k]).abs().max().item() for k in ranks_w)
 largest = max(w.abs().max().item() for w in ranks_w.values())
-threads = {n: int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // n)
+threads = {n: int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, usable_cpus() // n)
            for n in seconds}  # what course/launching/devices.py gives each rank
 md(f"Here the slowest of the {NPROC} ranks trained for {slowest:.2f} s and the single process for {alone:.2f} s "
    f"({slowest / alone:.1f}x as long): {NPROC} x {m['steps']} steps computed, {m['steps']} of them useful. "
