@@ -11,6 +11,7 @@ COURSE_SITE_VARS=(
     SITE_DESCRIPTION SITE_ACCOUNT SITE_ACCOUNT_REQUIRED SITE_ACCOUNT_SUFFIX SITE_PARTITION SITE_QOS
     SITE_CONSTRAINT SITE_RESERVATION SITE_GPU_FLAG SITE_GPU_TYPE SITE_GPUS_PER_NODE SITE_TASKS_PER_NODE
     SITE_CPUS_PER_TASK SITE_SBATCH_EXTRA SITE_MASTER_ADDR
+    SITE_NCCL_TRANSPORT SITE_LINK_GBPS SITE_MIN_BUSBW_SHARE  # what the readiness check judges against
 )
 
 # The directory of the profiles shipped with the course.
@@ -40,10 +41,14 @@ course_site_names() {
 }
 
 # Reads a profile: clears every SITE_* setting and site_setup, sources FILE, then puts back the values the
-# environment had (COURSE_SITE_FROM_ENV lists their names).
+# environment had (COURSE_SITE_FROM_ENV lists their names), exported as they were: a value given in the
+# environment to slurm/submit.sh reaches the job too.
 course_load_site() {
     local file="$1" var
-    local -A from_env=()
+    local -A from_env=() exported=()
+    for var in $(compgen -e); do  # exported: they go on to what is started from here (submit.sh's sbatch: the job)
+        exported[$var]=1
+    done
     for var in "${COURSE_SITE_VARS[@]}"; do
         if [[ -n "${!var+set}" ]]; then
             from_env[$var]="${!var}"
@@ -59,6 +64,7 @@ course_load_site() {
     for var in "${COURSE_SITE_VARS[@]}"; do
         if [[ -n "${from_env[$var]+set}" ]]; then
             printf -v "$var" '%s' "${from_env[$var]}"
+            [[ -z "${exported[$var]+set}" ]] || export "$var"  # unset took the export away
             COURSE_SITE_FROM_ENV+="${COURSE_SITE_FROM_ENV:+ }$var"
         fi
     done
