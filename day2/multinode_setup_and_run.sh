@@ -1,10 +1,10 @@
 #!/bin/bash
 # Run a day-2 lesson on every node of the current Slurm allocation.
 #
-#   salloc --nodes 2 --ntasks-per-node=4 --time=00:30:00        # get an allocation (a shell on the login node)
+#   salloc --nodes 2 --ntasks-per-node=2 --gpus-per-node=2 --time=00:30:00   # day 2's allocation (a shell)
 #   ./day2/multinode_setup_and_run.sh --site mycluster 10_mnist_ddp_pt_multinode.py --quick
 #   ./day2/multinode_setup_and_run.sh --site mycluster --launcher torchrun 9_torch_dist_multi_node.py
-#   sbatch --nodes 2 --ntasks-per-node=4 day2/multinode_setup_and_run.sh --site mycluster 9_torch_dist_multi_node.py
+#   sbatch --nodes 2 --ntasks-per-node=2 day2/multinode_setup_and_run.sh --site mycluster 9_torch_dist_multi_node.py
 #
 # Options come before the lesson (a name in day2/ or a path); everything after the lesson goes to the lesson.
 #   --site NAME|PATH     the site profile, the same one slurm/submit.sh takes: a name in slurm/sites/ or a path
@@ -59,10 +59,10 @@ esac
 if [[ -z "${SLURM_JOB_ID:-}" ]]; then
     cat >&2 <<EOF
 error: not inside a Slurm allocation (SLURM_JOB_ID is not set). Get one first, then run this script in it:
-  salloc --nodes 2 --ntasks-per-node=4 --time=00:30:00   # + --partition/--account/--gpus-per-node at your site
+  salloc --nodes 2 --ntasks-per-node=2 --time=00:30:00   # + --gpus-per-node=2 and --partition/--account at your site
   $0 ${ALL_ARGS[*]}
 or submit it as a batch job:
-  sbatch --nodes 2 --ntasks-per-node=4 --time=00:30:00 $0 ${ALL_ARGS[*]}
+  sbatch --nodes 2 --ntasks-per-node=2 --time=00:30:00 $0 ${ALL_ARGS[*]}
 EOF
     exit 1
 fi

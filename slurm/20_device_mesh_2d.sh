@@ -12,7 +12,7 @@
 # adds them to the sbatch command line from the site profile (slurm/sites/).
 #SBATCH --job-name=20_device_mesh_2d # the name in squeue and in the log file name
 #SBATCH --nodes=2                    # a row of the mesh per node, the data-parallel dimension across them
-#SBATCH --ntasks-per-node=4          # one task per rank; GPU sites: one per GPU (submit.sh)
+#SBATCH --ntasks-per-node=2          # one task per rank, 2 per node (docs/lessons.toml); one GPU each (submit.sh)
 #SBATCH --cpus-per-task=4            # cores per rank: data, Python, OMP threads
 #SBATCH --time=00:20:00              # wall-clock limit
 #SBATCH --output=logs/%x-%j.out      # stdout+stderr: logs/<job name>-<job id>.out

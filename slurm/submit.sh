@@ -12,18 +12,28 @@
 # --site      a profile in slurm/sites/ (perlmutter, jsc, ...) or a path to one; default: $COURSE_SITE.
 #             Its site_setup runs in the job, once, before the ranks (the same profile and set-up as
 #             `./day2/multinode_setup_and_run.sh --site NAME LESSON` inside an salloc allocation)
+# What a lesson asks for is what a learner runs it with in class (docs/lessons.toml: ranks and nodes; the
+# launcher's #SBATCH --nodes and --ntasks-per-node are those): one rank per GPU, as many GPUs per node as
+# ranks per node, at most the node's (SITE_GPUS_PER_NODE; CPU-only sites: SITE_TASKS_PER_NODE ranks).
 # --nodes N               nodes (day-1 lessons: always 1; day-2 launchers: default 2)
-# --gpus-per-node G       GPUs per node, one rank each (default: SITE_GPUS_PER_NODE of the profile)
-# --ntasks-per-node T     ranks per node (default: G on GPU sites, SITE_TASKS_PER_NODE on CPU-only ones)
+# --gpus-per-node G       GPUs per node, one rank each (default: the lesson's ranks per node, at most
+#                         SITE_GPUS_PER_NODE; a job script without --ntasks-per-node: SITE_GPUS_PER_NODE)
+# --ntasks-per-node T     ranks per node (default: G on GPU sites; the lesson's on CPU-only ones, at most
+#                         SITE_TASKS_PER_NODE)
 # --time T                wall-clock limit (default: the launcher's #SBATCH --time)
+# --no-reservation        leave the profile's SITE_RESERVATION out (the week before the workshop, when the
+#                         reservation has not begun: `scripts/readiness_check.sh --site NAME --no-reservation`)
 # --dry-run               print the exact sbatch command and exit; nothing is checked with or sent to Slurm
 # --test-only             ask Slurm whether and when it would run the job (sbatch --test-only), submit nothing
 # --no-check              submit without asking Slurm first (by default a refused option fails before submission)
-# --interactive           no lesson: a shell on a compute node with the profile's options and site set-up
-#                         (srun --ntasks=1 --pty: one task with the cores and GPUs of a node's ranks), or,
-#                         with a command after --, that command there:
+# --interactive [LESSON]  the allocation LESSON asks for, interactively, with the profile's options: for a
+#                         one-node lesson a shell on a compute node with the site set-up (srun --ntasks=1
+#                         --pty: one task with the cores and GPUs of the node's ranks), or, with a command
+#                         after --, that command there:
 #                           slurm/submit.sh --interactive --site NAME -- ./quickstart.sh
-#                         With --nodes 2: salloc, whose shell holds 2 nodes for day2/multinode_setup_and_run.sh
+#                         for a lesson on 2 nodes (or --nodes 2) salloc, whose shell holds the nodes for
+#                         day2/multinode_setup_and_run.sh. No LESSON: lesson 0's (day 1), with --nodes 2
+#                         lesson 9's (day 2). Each day's: `python -m course.sizing --table`.
 #
 # Every SITE_* value may also come from the environment, which wins over the profile:
 #   SITE_ACCOUNT=m1234_g slurm/submit.sh 6 --site perlmutter
@@ -45,6 +55,7 @@ die() {
 
 # ---------------------------------------------------------------------------------------------- arguments
 LESSON="" SITE="${COURSE_SITE:-}" NODES="" GPUS="" TASKS="" TIME="" MODE=submit CHECK=yes INTERACTIVE=no
+RESERVATION=yes
 LESSON_ARGS=()
 need_value() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value (see --help)"; }
 while [[ $# -gt 0 ]]; do
@@ -63,6 +74,7 @@ while [[ $# -gt 0 ]]; do
         --dry-run) MODE=dry-run; shift ;;
         --test-only) MODE=test-only; shift ;;
         --no-check) CHECK=no; shift ;;
+        --no-reservation) RESERVATION=no; shift ;;
         --interactive) INTERACTIVE=yes; shift ;;
         --) shift; LESSON_ARGS=("$@"); break ;;
         -*) die "unknown option $1 (lesson arguments go after --; see --help)" ;;
@@ -79,9 +91,13 @@ launcher_names() {
     echo
 }
 
-if [[ "$INTERACTIVE" == yes ]]; then
-    [[ -z "$LESSON" ]] || die "--interactive takes no lesson ('$LESSON'); a command to run goes after --"
-    LESSON="$COURSE_REPO/slurm/0_torch_dist.sh"  # a one-node launcher's defaults: 1 node, the site's ranks
+if [[ "$INTERACTIVE" == yes && -z "$LESSON" ]]; then
+    # day 1's allocation (lesson 0's: one node), or with --nodes 2 or more day 2's (lesson 9's: 2 per node)
+    if [[ -n "$NODES" && "$NODES" =~ ^[0-9]+$ && "$NODES" -gt 1 ]]; then
+        LESSON="$COURSE_REPO/slurm/9_torch_dist_multi_node.sh"
+    else
+        LESSON="$COURSE_REPO/slurm/0_torch_dist.sh"
+    fi
 fi
 [[ -n "$LESSON" ]] || die "which lesson? the launchers are: $(launcher_names)"
 [[ -n "$SITE" ]] || die "which site? give --site NAME (or export COURSE_SITE); the profiles are: $(course_site_names)"
@@ -121,6 +137,7 @@ sbatch_default() {
 }
 LAUNCHER_NODES="$(sbatch_default nodes)"
 LAUNCHER_NTASKS="$(sbatch_default ntasks)"  # set only by single-process launchers (--ntasks=1)
+LAUNCHER_TASKS="$(sbatch_default ntasks-per-node)"  # the lesson's ranks per node (docs/lessons.toml)
 
 # ---------------------------------------------------------------------------------------------- the profile
 SITE_FILE="$(course_site_file "$SITE")" ||
@@ -172,28 +189,43 @@ done
 [[ -z "$TASKS" ]] || { is_count "$TASKS" && ((TASKS >= 1)); } || die "--ntasks-per-node $TASKS: a whole number, at least 1"
 [[ -z "$TIME" || "$TIME" =~ ^([0-9]+-)?[0-9]+(:[0-9]+){0,2}$ ]] ||
     die "--time $TIME: minutes, MM:SS, HH:MM:SS or D-HH:MM:SS"
-if [[ "$LAUNCHER_NODES" == 1 && -n "$NODES" && "$NODES" != 1 ]]; then
+if [[ "$INTERACTIVE" == no && "$LAUNCHER_NODES" == 1 && -n "$NODES" && "$NODES" != 1 ]]; then
     die "$NAME is a one-node lesson (day 1); the multi-node lessons are the day-2 launchers (9, 10, 11, ...)"
 fi
 NNODES="${NODES:-${LAUNCHER_NODES:-1}}"
 
-GPUS="${GPUS:-${SITE_GPUS_PER_NODE:-0}}"
+NODE_GPUS="${SITE_GPUS_PER_NODE:-0}"  # what a node has; a lesson asks for its ranks' GPUs, at most these
 if [[ "$SITE_GPU_FLAG" == none ]]; then
-    ((GPUS == 0)) || die "site $SITE_NAME has no GPUs (SITE_GPU_FLAG=none), but $GPUS per node were asked for"
-elif ((GPUS == 0)); then
+    [[ -z "$GPUS" ]] || ((GPUS == 0)) ||
+        die "site $SITE_NAME has no GPUs (SITE_GPU_FLAG=none), but $GPUS per node were asked for"
+    GPUS=0
+elif [[ -z "$GPUS" ]] && ((NODE_GPUS == 0)); then
     die "site $SITE_NAME requests GPUs with SITE_GPU_FLAG=$SITE_GPU_FLAG, but SITE_GPUS_PER_NODE is not set:" \
         "set it in $SITE_FILE or give --gpus-per-node G"
+elif [[ -n "$GPUS" ]] && ((GPUS == 0)); then
+    die "site $SITE_NAME requests GPUs with SITE_GPU_FLAG=$SITE_GPU_FLAG: --gpus-per-node must be at least 1"
 fi
+at_most() {  # $1, or $2 where $2 is a smaller positive number
+    if [[ -n "$2" ]] && (($2 > 0 && $2 < $1)); then echo "$2"; else echo "$1"; fi
+}
 if [[ "$LAUNCHER_NTASKS" == 1 ]]; then
     # A single-process lesson: one task, at most one GPU.
     [[ -z "$TASKS" || "$TASKS" == 1 ]] || die "$NAME runs a single process: --ntasks-per-node must be 1"
-    ((GPUS <= 1)) || GPUS=1
+    [[ "$SITE_GPU_FLAG" == none ]] || GPUS=1
     TASKS=""
-elif ((GPUS > 0)); then
+elif [[ "$SITE_GPU_FLAG" != none ]]; then
+    if [[ -z "$GPUS" && -n "$TASKS" ]]; then  # one GPU per rank asked for, at most the node's
+        ((TASKS <= NODE_GPUS)) ||
+            die "--ntasks-per-node $TASKS is more than the $NODE_GPUS GPUs per node: NCCL needs one GPU per rank"
+        GPUS="$TASKS"
+    elif [[ -z "$GPUS" ]]; then  # the lesson's ranks per node, at most the node's GPUs
+        GPUS="$(at_most "${LAUNCHER_TASKS:-$NODE_GPUS}" "$NODE_GPUS")"
+    fi
     TASKS="${TASKS:-$GPUS}"  # one rank per GPU
     ((TASKS <= GPUS)) || die "--ntasks-per-node $TASKS is more than the $GPUS GPUs per node: NCCL needs one GPU per rank"
-else
-    TASKS="${TASKS:-${SITE_TASKS_PER_NODE:-}}"
+elif [[ -z "$TASKS" ]]; then
+    TASKS="${LAUNCHER_TASKS:-${SITE_TASKS_PER_NODE:-}}"
+    [[ -z "$TASKS" ]] || TASKS="$(at_most "$TASKS" "${SITE_TASKS_PER_NODE:-}")"
 fi
 
 OPTIONS=()
@@ -201,7 +233,7 @@ OPTIONS=()
 [[ -z "${SITE_PARTITION:-}" ]] || OPTIONS+=("--partition=$SITE_PARTITION")
 [[ -z "${SITE_QOS:-}" ]] || OPTIONS+=("--qos=$SITE_QOS")
 [[ -z "${SITE_CONSTRAINT:-}" ]] || OPTIONS+=("--constraint=$SITE_CONSTRAINT")
-[[ -z "${SITE_RESERVATION:-}" ]] || OPTIONS+=("--reservation=$SITE_RESERVATION")
+[[ -z "${SITE_RESERVATION:-}" || "$RESERVATION" == no ]] || OPTIONS+=("--reservation=$SITE_RESERVATION")
 OPTIONS+=("--nodes=$NNODES")  # also when it is the launcher's: the command says what it asks for
 [[ -z "$TASKS" ]] || OPTIONS+=("--ntasks-per-node=$TASKS")
 [[ -z "${SITE_CPUS_PER_TASK:-}" ]] || OPTIONS+=("--cpus-per-task=$SITE_CPUS_PER_TASK")

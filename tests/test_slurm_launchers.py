@@ -127,16 +127,17 @@ def test_profiles_shipped():
 
 # ------------------------------------------------------------------------------------------ submit.sh --dry-run
 
-# What each profile must put on the sbatch command line, for lesson 6 (one node) and lesson 10 (two nodes).
+# What each profile must put on the sbatch command line, for lesson 6 (one node, 4 ranks) and lesson 10 (two
+# nodes, 2 ranks each: docs/lessons.toml): one GPU per rank, at most the node's (palmetto's nodes have 2).
 DRY_RUN = {
     "perlmutter": (["--account=m1234_g", "--qos=regular", "--constraint=gpu", "--ntasks-per-node=4",
-                    "--cpus-per-task=32", "--gpus-per-node=4"], ["--gpus-per-node=4"]),
+                    "--cpus-per-task=32", "--gpus-per-node=4"], ["--ntasks-per-node=2", "--gpus-per-node=2"]),
     "palmetto": (["--ntasks-per-node=2", "--gpus=v100:2"], ["--gpus=v100:4"]),  # --gpus counts the whole job
     "jsc": (["--account=training2024", "--partition=booster", "--ntasks-per-node=4", "--gres=gpu:4"],
-            ["--gres=gpu:4"]),
-    "generic-gpu": (["--ntasks-per-node=4", "--gpus-per-node=4"], ["--gpus-per-node=4"]),
-    "cpu-only": (["--ntasks-per-node=4", "--cpus-per-task=2"], ["--ntasks-per-node=4"]),
-    "template": (["--gpus-per-node=4"], ["--gpus-per-node=4"]),
+            ["--gres=gpu:2"]),
+    "generic-gpu": (["--ntasks-per-node=4", "--gpus-per-node=4"], ["--gpus-per-node=2"]),
+    "cpu-only": (["--ntasks-per-node=4", "--cpus-per-task=2"], ["--ntasks-per-node=2"]),
+    "template": (["--gpus-per-node=4"], ["--gpus-per-node=2"]),
 }
 
 
@@ -850,4 +851,54 @@ def test_interactive_runs_on_a_compute_node_with_the_profile(slurm_cluster):
     assert re.search(rf"^interactive: node[12], site profile {re.escape(str(SITES_DIR / 'cpu-only.env'))}, python ",
                      done.stdout, flags=re.M), done.stdout
     assert "cpus 2" in done.stdout and done.stdout.count("mean = 1.5") == 2, done.stdout
-    assert submit("--interactive", "6", "--site", "cpu-only", env=env).returncode == 1  # no lesson with it
+    assert submit("--interactive", "99", "--site", "cpu-only", env=env).returncode == 1  # no such lesson
+
+
+def test_interactive_with_two_nodes_and_without_the_reservation_dry_run():
+    """`submit.sh --interactive --nodes 2` (its --help documents it; it used to stop: "a one-node lesson"):
+    salloc with day 2's allocation and the profile's options; --no-reservation leaves SITE_RESERVATION out,
+    here and in a batch job (the week before the workshop, the reservation has not begun)."""
+    env = {"SITE_RESERVATION": "course"}
+    for args in (["--interactive", "--nodes", "2"], ["--interactive", "9"]):
+        shown = submit(*args, "--site", "generic-gpu", "--dry-run", env=env)
+        assert shown.returncode == 0, shown.stderr
+        assert shlex.split(shown.stdout) == ["salloc", "--reservation=course", "--nodes=2", "--ntasks-per-node=2",
+                                             "--cpus-per-task=8", "--gpus-per-node=2"], shown.stdout
+    shown = submit("--interactive", "--nodes", "2", "--site", "generic-gpu", "--no-reservation", "--dry-run", env=env)
+    assert shown.returncode == 0 and "--reservation" not in shown.stdout, shown.stdout + shown.stderr
+    for lesson in ("0", "10", str(REPO / "scripts" / "readiness_job.sh")):
+        kept = submit(lesson, "--site", "cpu-only", "--dry-run", env=env).stdout
+        dropped = submit(lesson, "--site", "cpu-only", "--dry-run", "--no-reservation", env=env).stdout
+        assert "--reservation=course" in kept and "--reservation" not in dropped and dropped, (kept, dropped)
+    # the readiness check passes its options on to submit.sh: the trainer's command of the week before
+    ready = subprocess.run(["bash", str(REPO / "scripts" / "readiness_check.sh"), "--site", "generic-gpu",
+                            "--no-reservation", "--dry-run"], capture_output=True, text=True, cwd=REPO,
+                           env={**os.environ, **env}, timeout=60)
+    assert ready.returncode == 0 and ready.stdout.startswith("sbatch ") and "--reservation" not in ready.stdout, \
+        ready.stdout + ready.stderr
+
+
+@pytest.mark.slurm
+def test_interactive_with_two_nodes_holds_both_nodes_on_the_test_slurm(slurm_cluster, tmp_path):
+    """The documented `slurm/submit.sh --interactive --nodes 2 --site NAME`, with a command after -- instead of
+    a shell: salloc with day 2's allocation, whose command sees both nodes and 2 tasks on each."""
+    env = {**slurm_cluster.env, "SITE_CPUS_PER_TASK": "1"}
+    done = submit("--interactive", "--nodes", "2", "--site", "cpu-only", "--", "bash", "-c",
+                  'echo "nodes $SLURM_JOB_NUM_NODES tasks $SLURM_NTASKS"; srun hostname | sort | uniq -c',
+                  env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "nodes 2 tasks 4" in done.stdout, done.stdout
+    assert re.search(r"^\s*2 node1$", done.stdout, flags=re.M) and re.search(r"^\s*2 node2$", done.stdout,
+                                                                             flags=re.M), done.stdout
+
+
+@pytest.mark.slurm
+def test_no_reservation_lets_slurm_accept_a_job_whose_reservation_does_not_exist(slurm_cluster, tmp_path):
+    """A profile whose SITE_RESERVATION names a reservation the cluster does not have (yet): Slurm refuses
+    the job (test_a_value_slurm_refuses_fails_before_submission); with --no-reservation it would run it."""
+    env = {**slurm_cluster.env, "SITE_RESERVATION": "course", "SITE_TASKS_PER_NODE": "2"}
+    refused = submit("0", "--site", "cpu-only", "--test-only", env=env, cwd=tmp_path)
+    assert refused.returncode == 1 and "reservation" in refused.stderr, refused.stdout + refused.stderr
+    for lesson in ("0", "10"):
+        checked = submit(lesson, "--site", "cpu-only", "--test-only", "--no-reservation", env=env, cwd=tmp_path)
+        assert checked.returncode == 0 and "to start at" in checked.stdout, checked.stdout + checked.stderr
