@@ -1,13 +1,13 @@
 """Lesson 10: lesson 6's DDP across nodes: the local rank picks the GPU, global rank 0 writes the outputs.
 
-Inside a Slurm allocation (salloc --nodes 2 --ntasks-per-node=4 ..., or an sbatch script):
+Inside a Slurm allocation (salloc --nodes 2 --ntasks-per-node=2 ..., or an sbatch script):
 
     ./day2/multinode_setup_and_run.sh 10_mnist_ddp_pt_multinode.py --quick
     ./day2/multinode_setup_and_run.sh --launcher torchrun 10_mnist_ddp_pt_multinode.py
 
 On one machine:
 
-    torchrun --standalone --nproc_per_node=4 day2/10_mnist_ddp_pt_multinode.py --quick
+    torchrun --standalone --nproc_per_node=2 day2/10_mnist_ddp_pt_multinode.py --quick
 
 The training is lesson 6's, unchanged: DDP neither knows nor cares which ranks share a node, and W ranks on
 two nodes train exactly like W ranks on one (they end with the same weights).  What changes is who does what:

@@ -1,14 +1,14 @@
 """Lesson 11: lesson 10's DDP, streaming the training set from a chunked HDF5 file instead of memory.
 
 Once, on a login node or a laptop:   python data_tools/create_mnist_h5.py     # data/fashion-mnist-chunk1000.h5
-Inside a Slurm allocation (salloc --nodes 2 --ntasks-per-node=4 ..., or an sbatch script):
+Inside a Slurm allocation (salloc --nodes 2 --ntasks-per-node=2 ..., or an sbatch script):
 
     ./day2/multinode_setup_and_run.sh 11_mnist_ddp_pt_multinode_streaming.py --quick
     ./day2/multinode_setup_and_run.sh --launcher torchrun 11_mnist_ddp_pt_multinode_streaming.py --workers 2
 
 On one machine:
 
-    torchrun --standalone --nproc_per_node=4 day2/11_mnist_ddp_pt_multinode_streaming.py --quick
+    torchrun --standalone --nproc_per_node=2 day2/11_mnist_ddp_pt_multinode_streaming.py --quick
 
 A dataset too large for memory is read from disk while training.  Read it sample by sample and every read
 pays for a whole HDF5 chunk; read it in chunks and the shuffle can only move whole chunks.  So (below:

@@ -1,6 +1,6 @@
 """Lesson 9: lesson 0's all_reduce across nodes: where ranks come from when Slurm or torchrun starts them.
 
-Inside a Slurm allocation (salloc --nodes 2 --ntasks-per-node=4 ..., or in an sbatch script):
+Inside a Slurm allocation (salloc --nodes 2 --ntasks-per-node=2 ..., or in an sbatch script):
 
     ./day2/multinode_setup_and_run.sh 9_torch_dist_multi_node.py                      # srun: a task per rank
     ./day2/multinode_setup_and_run.sh --launcher torchrun 9_torch_dist_multi_node.py  # srun: torchrun per node
@@ -14,7 +14,7 @@ your user id, so that two users on one node do not collide (as one fixed port wo
         day2/9_torch_dist_multi_node.py
     torchrun --nnodes=2 --node_rank=1 --nproc_per_node=2 --master_addr=127.0.0.1 --master_port=$PORT \\
         day2/9_torch_dist_multi_node.py
-    torchrun --standalone --nproc_per_node=4 day2/9_torch_dist_multi_node.py
+    torchrun --standalone --nproc_per_node=2 day2/9_torch_dist_multi_node.py
 
 On day 1 one process started all ranks, so it knew every rank number.  Across nodes, each process is started
 by someone else and must learn four facts from its environment: its global rank and the world size (which

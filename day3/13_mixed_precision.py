@@ -18,7 +18,8 @@ A step whose gradients hold inf or NaN is skipped and the scale halved.  GradSca
 rank's gradients, yet every rank skips the same step: DDP has already all_reduced the gradients, and an inf
 on one rank makes the sum inf on all of them (--overflow-at injects one on one rank to watch it).
 On a CPU without bf16 instructions (no avx512_bf16/AMX in lscpu's flags) 16-bit matrix products are
-emulated and slower than fp32; on GPUs and recent server CPUs they are faster.  --batch-size is per rank.
+emulated and slower than fp32; on GPUs they are faster; on CPUs with those instructions, measure: a small
+model can still lose to autocast's casts.  --batch-size is per rank.
 Every rank measures the memory of its step 3 (course/measuring/memory.py): what it holds as the forward begins, and
 the most during the step; lessons 14 and 15 show what checkpointing and sharding take off it.
 --compile: torch.compile of the DDP-wrapped model.  Compiled after wrapping, dynamo cuts the graph at DDP's

@@ -442,7 +442,7 @@ def show_tagged(script, tags=("# DDP:", "# DIST:"), tag=None):
 
     tags = (tag,) if tag else (tags,) if isinstance(tags, str) else tuple(tags)
     rows = [f"{n:4d}  {line.rstrip()}" for n, line in enumerate((REPO / script).read_text().splitlines(), 1)
-            if any(t in line for t in tags)]
+            if any(t in line and f"`{t}" not in line for t in tags)]  # not the docstring's `# DDP:` legend
     names = " or ".join(f"`{t}`" for t in tags)
     display(Markdown(f"Lines of **{script}** tagged {names} ({len(rows)}):\n\n```python\n" + "\n".join(rows)
                      + "\n```"))

@@ -42,9 +42,9 @@ def test_a_lesson_started_outside_any_launcher_says_how_to_launch_it(tmp_path):
     ran = bare([PYTHON, REPO / LESSONS[10], "--run-dir", tmp_path / "run"])
     assert ran.returncode == 1, ran.stdout + ran.stderr
     name = os.path.basename(LESSONS[10])
-    for how in ("does not start its own processes", "salloc --nodes 2 --ntasks-per-node=4",
+    for how in ("does not start its own processes", "salloc --nodes 2 --ntasks-per-node=2",
                 f"./day2/multinode_setup_and_run.sh {name}",
-                f"torchrun --standalone --nproc_per_node=4 {LESSONS[10]}"):
+                f"torchrun --standalone --nproc_per_node=2 {LESSONS[10]}"):
         assert how in ran.stderr, ran.stderr
     assert "Traceback" not in ran.stderr and ran.stderr.strip().count("\n") == 0, ran.stderr  # one line
     assert not (tmp_path / "run").exists()  # nothing written, not even an empty run dir
@@ -54,8 +54,8 @@ def test_the_script_outside_an_allocation_says_how_to_get_one(tmp_path):
     ran = bare([SCRIPT, "10_mnist_ddp_pt_multinode.py", "--quick"], cwd=tmp_path)  # from any directory
     assert ran.returncode == 1
     assert "not inside a Slurm allocation" in ran.stderr
-    assert "salloc --nodes 2 --ntasks-per-node=4" in ran.stderr
-    assert f"sbatch --nodes 2 --ntasks-per-node=4 --time=00:30:00 {SCRIPT} 10_mnist_ddp_pt_multinode.py --quick" \
+    assert "salloc --nodes 2 --ntasks-per-node=2" in ran.stderr  # day 2's allocation (docs/lessons.toml)
+    assert f"sbatch --nodes 2 --ntasks-per-node=2 --time=00:30:00 {SCRIPT} 10_mnist_ddp_pt_multinode.py --quick" \
         in ran.stderr
 
 

@@ -122,6 +122,12 @@ ENV_NOT_WALKED = {
     "COURSE_EXIT_GRACE": "a test aid",
     "TORCH_FR_BUFFER_SIZE": "set by lesson 17 for its ranks",
     "TORCH_FR_DUMP_TEMP_FILE": "set by lesson 17 for its ranks",
+    # the site profile's values that only the readiness check reads (scripts/readiness_check.sh before it submits,
+    # course/readiness.py in its job): each bad value is one line and nothing is submitted, walked in
+    # tests/test_readiness.py (BAD_READINESS_VALUES)
+    "SITE_NCCL_TRANSPORT": "read by the readiness check only: tests/test_readiness.py walks its bad values",
+    "SITE_LINK_GBPS": "read by the readiness check only: tests/test_readiness.py walks its bad values",
+    "SITE_MIN_BUSBW_SHARE": "read by the readiness check only: tests/test_readiness.py walks its bad values",
 }
 
 
@@ -305,9 +311,9 @@ SAID = [  # script, arguments, environment, exit code, what the one line says
      ["--sweep", "torchrun"]),
     ("day1/8_mnist_ddp_pt_lr.py", ["--warmup-steps", "-1"], {}, 2, ["must be 0 or more"]),
     # the multi-node lessons without a launcher, and in a batch script's own shell (a job, but no srun step)
-    *[(script, [], {}, 1, [OUTSIDE, "salloc --nodes 2 --ntasks-per-node=4",
+    *[(script, [], {}, 1, [OUTSIDE, "salloc --nodes 2 --ntasks-per-node=2",
                            f"./day2/multinode_setup_and_run.sh {Path(script).name}",
-                           f"torchrun --standalone --nproc_per_node=4 {script}"])
+                           f"torchrun --standalone --nproc_per_node=2 {script}"])
       for script in ("day2/9_torch_dist_multi_node.py", "day2/11_mnist_ddp_pt_multinode_streaming.py")],
     ("day2/9_torch_dist_multi_node.py", [], {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
                                              "SLURM_JOB_NODELIST": "node[1-2]"}, 1,

@@ -55,8 +55,8 @@ def how_to_launch(lesson: str, lesson_args: str = "") -> str:
     if "SLURM_JOB_ID" in os.environ:  # a batch script's shell or salloc's shell: a job, but not an srun step
         where = f"you are inside Slurm job {os.environ['SLURM_JOB_ID']} but not in a job step"
     return (f"this multi-node lesson does not start its own processes ({where}): in a Slurm allocation "
-            f"(salloc --nodes 2 --ntasks-per-node=4) run ./day2/multinode_setup_and_run.sh {name}{args}; "
-            f"on one machine run torchrun --standalone --nproc_per_node=4 {lesson}{args}")
+            f"(salloc --nodes 2 --ntasks-per-node=2) run ./day2/multinode_setup_and_run.sh {name}{args}; "
+            f"on one machine run torchrun --standalone --nproc_per_node=2 {lesson}{args}")
 
 
 def require_launcher(lesson: str, lesson_args: str = "") -> None:

@@ -16,7 +16,7 @@
 # ## How it runs on a cluster
 #
 # ```bash
-# salloc --nodes 2 --ntasks-per-node=4 --gpus-per-node=4 --time=00:30:00      # plus your site's options
+# salloc --nodes 2 --ntasks-per-node=2 --gpus-per-node=2 --time=00:30:00      # plus your site's options
 # ./day2/multinode_setup_and_run.sh 10_mnist_ddp_pt_multinode.py --quick
 # ./day2/multinode_setup_and_run.sh --launcher torchrun 10_mnist_ddp_pt_multinode.py
 # ```

@@ -25,7 +25,7 @@
 #
 # ```bash
 # python data_tools/create_mnist_h5.py          # once, on the login node: data/fashion-mnist-chunk1000.h5
-# salloc --nodes 2 --ntasks-per-node=4 --time=00:30:00
+# salloc --nodes 2 --ntasks-per-node=2 --time=00:30:00
 # ./day2/multinode_setup_and_run.sh 11_mnist_ddp_pt_multinode_streaming.py --quick
 # ```
 #

@@ -111,7 +111,9 @@ md(f"Mean distance from the fp32 curve: bf16 {gaps['bf16']:.1e}, fp16 {gaps['fp1
 # **Why slower here?** The run above is on the CPU unless this machine has GPUs. 16-bit arithmetic is fast
 # only where the hardware computes in it: tensor cores on GPUs since Volta (fp16) and Ampere (bf16), and on
 # CPUs the `avx512_bf16` or `amx_bf16` instructions. Without them every 16-bit matrix product converts its
-# inputs and computes in fp32, which costs more than fp32 alone. The flags of this machine's CPU:
+# inputs and computes in fp32, which costs more than fp32 alone. With them, autocast still adds its casts
+# (every weight converted to 16 bits at every step), and what the products gain must pay for those. The
+# flags of this machine's CPU:
 
 # %%
 from pathlib import Path
@@ -119,7 +121,11 @@ from pathlib import Path
 flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
 md("This CPU has " + (", ".join(f"`{f}`" for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags)
                        or "none of `avx512_bf16`, `amx_bf16`, `amx_tile`")
-   + f"; {gpu_count()} GPU(s) are visible to this notebook.")
+   + f"; {gpu_count()} GPU(s) are visible to this notebook"
+   + (f". Here bf16 took {ratio['bf16']:.2f}x as long as fp32 all the same: at this model's size, with "
+      f"one thread per rank, the casts cost more than the bf16 products saved; whether a larger --width "
+      f"gains is a measurement to make, not a rule." if {"avx512_bf16", "amx_bf16"} & flags and ratio["bf16"] > 1
+      else "."))
 
 # %% [markdown]
 # ## An overflow on one rank: every rank skips the step

@@ -34,7 +34,7 @@ SIZE = [] if FULL_SIZE else ["--quick", "--max-steps", "10"]
 NPROC = full_size_nproc() if FULL_SIZE else 2
 # one GPU per rank, or every rank on the CPU (NCCL cannot put two ranks on one GPU)
 DEVICE = [] if gpu_count() >= NPROC else ["--device", "cpu"]
-# lesson 13's bf16 where a GPU computes in it; fp32 on this CPU, which has no bf16 instructions (lesson 13)
+# lesson 13's bf16 where a GPU computes in it; fp32 on the CPU, where lesson 13's bf16 steps took longer
 PRECISION = ["--precision", "bf16"] if not DEVICE else ["--precision", "fp32"]
 RUN = run_dir("14_accumulation_checkpointing")
 
@@ -220,9 +220,9 @@ md(f"{len(hw)} ranks, " + ", ".join(str(s["samples"]) for s in summaries)
    + ", ".join(f"{s['rss_mb_max']:.0f}" for s in summaries)
    + f" MB of RAM (RSS): torch's libraries and the in-memory dataset, mostly. The "
    f"{(acc['saved_for_backward_bytes'] - ckpt['saved_for_backward_bytes']) / 2 ** 20:.1f} MB per micro-batch "
-   f"that checkpointing saves are lost in that at this size, as they would be on a GPU in the whole run's "
-   f"peak the line adds there (the dataset held on the GPU, the evaluation): step 3's peak above is where "
-   f"they show. The steps rise together on every rank: in a hung job "
+   f"that checkpointing saves are lost in that at this size, as they would be on a GPU in the peak the line adds "
+   f"there (from step 3 to the end: the dataset held on the GPU, the evaluation): step 3's own peak above is "
+   f"where they show. The steps rise together on every rank: in a hung job "
    f"(lesson 17) they stay flat and the CPU % of the waiting ranks drops.")
 
 # %% [markdown]

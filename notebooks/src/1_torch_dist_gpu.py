@@ -11,7 +11,8 @@
 #    as it has GPUs.
 # 2. **`torch.cuda.set_device(local_rank)` before `init_process_group`.** The *local rank* is the rank's
 #    number on its own node (0..GPUs-1) and picks its GPU. Without `set_device`, every rank would create
-#    its CUDA context on GPU 0: out-of-memory errors, or NCCL hanging.
+#    its CUDA context on GPU 0: out-of-memory errors, or NCCL hanging. `init_process_group(...,
+#    device_id=device)` then tells NCCL that GPU at once, so it connects there (None on the CPU).
 #
 # The tensor to reduce must live on the rank's GPU (`device=cuda:<local_rank>`). On a machine without a GPU
 # (a laptop, CI) the script says so and runs lesson 0's gloo path instead, so this notebook runs anywhere;
@@ -35,7 +36,7 @@ draw_gpus(4)
 # ## What changed against lesson 0
 #
 # The `all_reduce` is the same. New: choosing the backend, checking there is a GPU for every rank,
-# `set_device` before init, and the tensor created on the rank's device.
+# `set_device` before init, `device_id=` at init (on GPUs), and the tensor created on the rank's device.
 
 # %%
 show_diff("day1/0_torch_dist.py", "day1/1_torch_dist_gpu.py")

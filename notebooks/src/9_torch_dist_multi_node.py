@@ -21,7 +21,7 @@
 # Get an allocation of two nodes, then start the lesson on all of them with the course's launcher:
 #
 # ```bash
-# salloc --nodes 2 --ntasks-per-node=4 --time=00:30:00          # plus --account/--partition/--gpus-per-node
+# salloc --nodes 2 --ntasks-per-node=2 --time=00:30:00          # plus --account/--partition/--gpus-per-node
 # ./day2/multinode_setup_and_run.sh 9_torch_dist_multi_node.py  # srun: one task per rank
 # ./day2/multinode_setup_and_run.sh --launcher torchrun 9_torch_dist_multi_node.py   # one torchrun per node
 # ```
@@ -121,7 +121,7 @@ else:
 #    free `--master_port`): start one, wait, start the other. You should see the first print nothing until
 #    the second arrives (it waits at the rendezvous), then both nodes' ranks print `all_reduce(SUM) = 10,
 #    mean = 2.5`.
-# 2. On a cluster: `salloc --nodes 2 --ntasks-per-node=4 ...` and
+# 2. On a cluster: `salloc --nodes 2 --ntasks-per-node=2 ...` and
 #    `./day2/multinode_setup_and_run.sh 9_torch_dist_multi_node.py`. You should see 8 ranks on 2 host names,
 #    local ranks 0-3 on each, and `mean = 4.5` on every rank.
 #
