@@ -5,17 +5,19 @@
     srun --ntasks=4 python day4/18_hardware_limits.py --sizes-mib 1 16 64
 
 Lesson 13's loop (DDP, fp32 by default), measured against what the machine can do, before day 4 splits
-the model itself (lesson 19): each way of splitting trades FLOPs for bytes sent, and these two
-numbers say what each costs here.
+the model itself (lesson 19): each way of splitting trades memory per rank for bytes sent between ranks,
+and the bandwidth and FLOPs measured here say what those bytes cost against a step's arithmetic.
 - Before training, every rank runs all_reduce, all_gather and reduce_scatter on float32 tensors of
   --sizes-mib MiB (not given: 0.25 to 16 on the CPU, on to 1024 on GPUs, whose NVLink and InfiniBand are not
-  yet full at 16; course/measuring/hardware.py's sweep_sizes), timed as nccl-tests times them (the slowest
-  rank's seconds per call, t).  With S the size of the whole tensor (all_reduce: the tensor each rank
-  holds; all_gather and reduce_scatter: the gathered one) and n ranks: algorithm bandwidth algbw = S / t,
-  and bus bandwidth busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for the other two.  busbw is the
-  bytes each rank must send per second with the best algorithm (a ring: all_reduce = reduce_scatter +
-  all_gather, each sending (n-1)/n of S), so it can be compared with the link's speed and across world
-  sizes; it grows with S until the link is full, and small messages pay a fixed latency instead.
+  yet full at 16; course/measuring/hardware.py's sweep_sizes), timed back to back after a warm-up call as
+  nccl-tests times them; t is the slowest rank's seconds per call (nccl-tests reports the ranks' average
+  by default, its `-a 1`; `-a 3` reports the slowest).  With S the size of the whole tensor (all_reduce:
+  the tensor each rank holds; all_gather and reduce_scatter: the gathered one) and n ranks: algorithm
+  bandwidth algbw = S / t, and bus bandwidth busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for the
+  other two.  busbw is the bytes each rank must send per second with the best algorithm (a ring:
+  all_reduce = reduce_scatter + all_gather, each sending (n-1)/n of S), so it can be compared with the
+  link's speed and across world sizes; it grows with S until the link is full, and small messages pay a
+  fixed latency instead.
 - With gloo the bytes really sent are counted too: the kernel's counters of this machine's network
   interfaces (loopback included, course/measuring/hardware.py) before and after the calls, divided among the
   ranks of this machine, against the bus formula's bytes per rank.  Measured here (torch 2.14.1, gloo):
@@ -31,12 +33,18 @@ numbers say what each costs here.
   attention's 12 x depth x tokens per image x width per token.  torch 2.14.1's counter has no formula for
   the CPU's attention kernel (aten._scaled_dot_product_flash_attention_for_cpu): the lesson gives it the
   GPU kernels' formulas, torch's own `sdpa_flop_count` and `sdpa_backward_flop_count`.
-- Model FLOPs utilization (MFU): the counted FLOPs per step x steps / the training steps' seconds / the
-  peak: the fraction of the device's matmul speed training achieves.  Each step is timed by
-  course/measuring/hardware.py's clock: on a GPU the host's clock read after torch.cuda.synchronize, once
-  the GPU has finished (a CUDA call returns when its kernels are queued: without it the time to queue
-  them, not to run them).  And DDP's gradient all_reduce per step (the parameters' bytes), timed from the
-  all_reduces measured at the sizes around it: what communication costs each step.
+- Hardware FLOPs utilization against the measured peak (HFU): the counted FLOPs per step (the FLOPs
+  executed, recomputation included) x steps / the training steps' seconds / the measured matmul peak: the
+  fraction of this device's matmul speed training achieves.  Model FLOPs utilization (MFU), as torchtitan
+  defines it (torchtitan/tools/utils.py), divides the model's analytic FLOPs (the 6 x parameters x tokens
+  formula plus the attention's, no recomputation) by the datasheet's peak instead, usually lower than HFU for the same run (a
+  datasheet peak is above any measured one).  Each step is timed by course/measuring/hardware.py's clock:
+  on a GPU the host's clock read after torch.cuda.synchronize, once the GPU has finished (a CUDA call
+  returns when its kernels are queued: without it the time to queue them, not to run them).  And DDP's
+  gradient all_reduce per step (the parameters' bytes), timed from the all_reduces measured at the sizes
+  around it: what it costs when it runs alone.  DDP overlaps it with the backward pass (a bucket's
+  all_reduce starts while earlier layers still compute), so this is the most communication can add to a
+  step, not what it adds.
 --batch-size is per rank.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
@@ -150,10 +158,10 @@ def worker(info, args):
         if step == args.max_steps:
             break
     seconds = time.perf_counter() - start
-    mfu = flops * (step - 1) / step_seconds / peak_flops if step > 1 else 0.0  # the timed steps' FLOP/s / the peak
+    hfu = flops * (step - 1) / step_seconds / peak_flops if step > 1 else 0.0  # the timed steps' FLOP/s / the peak
     prof.close()
     rank_print(rank, f"{step} steps in {seconds:.1f} s (this rank's shard: {len(sampler)} samples per epoch), "
-                     f"matmul peak {peak_flops / 1e9:.1f} GFLOP/s, model FLOPs utilization {mfu:.3f}; {peak}")
+                     f"matmul peak {peak_flops / 1e9:.1f} GFLOP/s, HFU vs measured peak {hfu:.3f}; {peak}")
 
     identical = replicas.identical_on_all_ranks(model.parameters())  # DIST: all_gathers every rank's weights
     losses = torch.stack(losses)
@@ -165,13 +173,13 @@ def worker(info, args):
         formula = (6 * params + 12 * args.depth * tokens * args.width) * tokens * args.batch_size  # per rank
         samples = min(step * global_batch, args.epochs * world_size * len(sampler))
         run = args.run_dir
-        hardware.report(rows, flops, formula, peak_flops, mfu, 4 * params, step_seconds / max(step - 1, 1))
+        hardware.report(rows, flops, formula, peak_flops, hfu, 4 * params, step_seconds / max(step - 1, 1))
         write_json(run / "metrics.json", {
             "lesson": "18_hardware_limits", "dataset": args.dataset, "model": args.model,
             "precision": args.precision, "world_size": world_size, "backend": dist.get_backend(),
             "batch_size": args.batch_size, "global_batch_size": global_batch, "lr": args.lr,
             "epochs": args.epochs, "steps": step, "collectives": rows, "identical_weights": identical,
-            "flops_per_step": flops, "flops_formula": formula, "matmul_peak_flops": peak_flops, "mfu": mfu,
+            "flops_per_step": flops, "flops_formula": formula, "matmul_peak_flops": peak_flops, "hfu": hfu,
             "samples_seen": samples, "train_seconds": seconds, "samples_per_second": samples / seconds,
             "test_accuracy": accuracy, "test_loss": test_loss, "loss_per_step": losses,
             "grad_norm_per_step": torch.stack(norms).tolist(), "memory": peak.result()})

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Lesson 18 under Slurm: lesson 13's DDP loop measured against the hardware: the collectives' bus bandwidth,
-# the matmul peak, a step's FLOPs counted by torch, model FLOPs utilization and DDP's all_reduce per step.
+# the matmul peak, a step's FLOPs counted by torch, hardware FLOPs utilization (HFU) against that peak
+# and DDP's all_reduce per step.
 #
 # Submit it from the repository root with the sbatch options of your site (slurm/sites/NAME.env):
 #   SITE_ACCOUNT=m1234_g slurm/submit.sh 18_hardware_limits --site perlmutter

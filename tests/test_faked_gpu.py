@@ -94,7 +94,7 @@ def test_lesson_14s_steps_are_timed_once_the_gpu_has_finished(readings, monkeypa
 @pytest.mark.parametrize("path", DAY4)
 def test_day_4s_training_steps_read_the_synchronized_clock(path):
     """The step loop's two readings, `begun` and the step's end, go through hardware.clock(device): on a GPU
-    the MFU (lesson 18) and the step times (lessons 19-21) are then the GPU's, not the time to queue it."""
+    the HFU (lesson 18) and the step times (lessons 19-21) are then the GPU's, not the time to queue it."""
     source = inspect.getsource(lesson(path).worker)
     assert "begun = hardware.clock(device)" in source
     assert "step_seconds += (hardware.clock(device) - begun) if step else 0.0" in source

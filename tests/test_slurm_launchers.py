@@ -621,7 +621,7 @@ def check_18_hardware_limits(log, work):
     ratio = float(re.search(r"step 1's FLOPs on this rank, counted by torch: .*\(counted / formula: ([\d.]+)\)",
                             log).group(1))
     assert 0.9 <= ratio <= 1.1, ratio  # the formula is a rule of thumb: within 10% (test_day4.py)
-    assert re.search(r"model FLOPs utilization \d+\.\d{3}", log) and "DDP all_reduces 0.556 MB of gradients per step" in log
+    assert re.search(r"HFU vs measured peak \d+\.\d{3}", log) and "DDP all_reduces 0.556 MB of gradients per step" in log
     assert "2 ranks x batch 64 = global batch 128, fp32: test accuracy" in log
     assert "weights identical on all ranks: True" in log
 

@@ -1,4 +1,5 @@
-"""Lesson 18's plumbing: a call timed the way nccl-tests times it, and the bytes this machine's network
+"""Lesson 18's plumbing: a call timed back to back as nccl-tests times it (reported as the slowest rank's
+time, where nccl-tests reports the ranks' average by default), and the bytes this machine's network
 interfaces have sent (the kernel's counters); `clock`, the course's clock for anything that runs on a GPU
 (day 4's training steps, lesson 21's pipeline, lesson 14's steps, lesson 7's all_reduce, the readiness
 check's); and the sizes of the collectives' sweep on each device (`sweep_sizes`)."""
@@ -29,7 +30,7 @@ def sweep_sizes(device, asked=None) -> list:
 def clock(device) -> float:
     """time.perf_counter() once `device` has finished the work queued on it.  A CUDA call returns as soon as
     its kernels are queued: the host's clock alone times the queueing, not the GPU, once the GPU is the
-    slower of the two (a step's time, and the MFU from it, come out too good).  On a CUDA device
+    slower of the two (a step's time, and the utilization from it, come out too good).  On a CUDA device
     torch.cuda.synchronize(device) waits for every kernel of every stream on it first; on the CPU the work is
     done when the call returns: the clock alone, at no other cost."""
     if device.type == "cuda":
@@ -41,8 +42,8 @@ def timed(call, iters: int, device) -> tuple:
     """(seconds, bytes) per call: one untimed call first (the first pays for connections, buffers, kernel
     choice), then `iters` calls back to back, started together on every rank (a barrier), ended when the
     device has finished them; the slowest rank's seconds (a collective ends for all when it ends for the
-    last), and the bytes this machine's network interfaces sent meanwhile (`sent_bytes`).  Every rank
-    calls it."""
+    last: nccl-tests' `-a 3`; its default, `-a 1`, averages the ranks' times), and the bytes this machine's
+    network interfaces sent meanwhile (`sent_bytes`).  Every rank calls it."""
     call()
     clock(device)  # the untimed call has finished
     sent = sent_bytes()
@@ -118,19 +119,22 @@ def all_reduce_seconds(rows: list, nbytes: float) -> tuple:
     return nbytes / (s / t), f"at the bandwidth of the all_reduce measured at {mib(s)}, the largest measured"
 
 
-def report(rows: list, flops: int, formula: float, peak: float, mfu: float, gradient_bytes: int,
+def report(rows: list, flops: int, formula: float, peak: float, hfu: float, gradient_bytes: int,
            step_seconds: float) -> None:
-    """Rank 0's tables: the collectives, the FLOPs counted against the rule of thumb, the utilization,
-    and what DDP's all_reduce of the gradients costs a step at the measured bandwidth."""
+    """Rank 0's tables: the collectives, the FLOPs counted against the rule of thumb, the hardware FLOPs
+    utilization (the FLOPs executed over the measured matmul peak: not MFU, which takes the formula's FLOPs
+    over the datasheet's peak), and what DDP's all_reduce of the gradients costs alone at the measured
+    bandwidth: the most it can add to a step, as DDP overlaps it with the backward pass."""
     collectives_table(rows)
     print(f"step 1's FLOPs on this rank, counted by torch: {flops / 1e9:.3f} GFLOP; 6 x parameters x tokens + "
           f"12 x depth x tokens x width x tokens: {formula / 1e9:.3f} GFLOP (counted / formula: "
           f"{flops / formula:.3f})", flush=True)
-    print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; training steps reached {mfu * peak / 1e9:.1f} GFLOP/s: model FLOPs "
-          f"utilization {mfu:.3f}", flush=True)
+    print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; training steps reached {hfu * peak / 1e9:.1f} GFLOP/s: HFU vs "
+          f"measured peak {hfu:.3f}", flush=True)
     if one_rank(rows):
         print(f"DDP on one rank sends nothing; a training step took {step_seconds * 1e3:.1f} ms", flush=True)
         return
     seconds, how = all_reduce_seconds(rows, gradient_bytes)
     print(f"DDP all_reduces {gradient_bytes / 1e6:.3f} MB of gradients per step: {how}, about "
-          f"{seconds * 1e3:.1f} ms of a training step's {step_seconds * 1e3:.1f} ms", flush=True)
+          f"{seconds * 1e3:.1f} ms alone, at most that of a training step's {step_seconds * 1e3:.1f} ms (DDP "
+          f"overlaps it with the backward pass)", flush=True)

@@ -4,28 +4,33 @@
 # Script: [`day4/18_hardware_limits.py`](../day4/18_hardware_limits.py).
 #
 # Day 4 splits the model itself over the ranks (tensor parallelism in the next lesson). Every way of
-# splitting trades arithmetic for bytes sent between ranks, so before choosing one we measure the two
-# numbers that price the trade on this machine, with lesson 13's DDP loop (fp32 by default) as the
+# splitting trades memory per rank for bytes sent between ranks, so before choosing one we measure the two
+# numbers that price those bytes on this machine, with lesson 13's DDP loop (fp32 by default) as the
 # workload:
 #
 # - **How fast the collectives are.** Before training, every rank runs `all_reduce`, `all_gather` and
-#   `reduce_scatter` on float32 tensors of `--sizes-mib` MiB, timed as
+#   `reduce_scatter` on float32 tensors of `--sizes-mib` MiB, timed back to back as
 #   [nccl-tests](https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md) times them (t: the
-#   slowest rank's seconds per call). With S the size of the whole tensor and n ranks, the **algorithm
-#   bandwidth** is algbw = S / t, and the **bus bandwidth** busbw = algbw x 2(n-1)/n for all_reduce,
-#   x (n-1)/n for the other two. busbw is what each rank's link carries per second when the collective
-#   runs as a ring (an all_reduce is a reduce_scatter followed by an all_gather, each sending (n-1)/n of S
-#   per rank): the number to compare with a link's speed, and across world sizes.
+#   slowest rank's seconds per call, nccl-tests' `-a 3`; by default nccl-tests averages the ranks' times).
+#   With S the size of the whole tensor and n ranks, the **algorithm bandwidth** is algbw = S / t, and
+#   the **bus bandwidth** busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for the other two. busbw is
+#   what each rank's link carries per second when the collective runs as a ring (an all_reduce is a
+#   reduce_scatter followed by an all_gather, each sending (n-1)/n of S per rank): the number to compare
+#   with a link's speed, and across world sizes.
 # - **How many bytes really went out.** With gloo the ranks talk over TCP, and the kernel counts every byte
 #   this machine's network interfaces send (loopback included). The lesson reads the counters before and
 #   after the calls and sets the bytes per rank against the ring formula's.
 # - **How fast the arithmetic is.** The FLOP/s of one large square matrix product in the run's precision
 #   (2 n^3 FLOPs in t seconds), timed a few times: a rough ceiling for what a training step could get from
-#   this device (on a shared machine it moves from run to run: read a run's MFU against its own peak).
+#   this device (on a shared machine it moves from run to run: read a run's utilization against its own
+#   peak).
 # - **How much arithmetic a step needs.** torch counts the FLOPs of step 1's forward and backward passes
 #   (`torch.utils.flop_counter.FlopCounterMode`: every matrix product and convolution, 2 x m x n x k each),
 #   next to the rule of thumb for transformers: 6 x parameters x tokens, plus the attention's share.
-# - **Model FLOPs utilization (MFU)**: the FLOPs the training steps did per second, over the peak.
+# - **Hardware FLOPs utilization (HFU) against the measured peak**: the FLOPs torch counted (executed,
+#   recomputation included) per second of the training steps, over that peak. **MFU**, as torchtitan defines
+#   it (torchtitan/tools/utils.py), is the model's analytic FLOPs (6 x parameters x tokens plus the attention's)
+#   per second over the datasheet's peak: usually lower for the same run.
 
 # %%
 from nbhelpers import *
@@ -61,7 +66,7 @@ show_table([{"ranks n": n, "all_reduce: bytes sent per rank / S = busbw / algbw"
 #
 # The sweep of the collectives before training (`bandwidth`, its timing and the interface counters in
 # `course/measuring/hardware.py`), the matrix-product peak, a `FlopCounterMode` around step 1 (with the FLOP formulas
-# of the CPU's attention kernel, which torch's counter lacks), and the FLOPs and MFU in the outputs.
+# of the CPU's attention kernel, which torch's counter lacks), and the FLOPs and HFU in the outputs.
 # Lesson 13's GradScaler, fp16, `--overflow-at` and `--compile` are gone: fp32 or bf16 only.
 
 # %%
@@ -202,24 +207,27 @@ md(f"{params:,} parameters, {tokens} tokens per image, a batch of {batch} per ra
 # %%
 from course.measuring.hardware import all_reduce_seconds
 
-peak, mfu = m["matmul_peak_flops"], m["mfu"]
-step = m["flops_per_step"] / (mfu * peak) if mfu else float("nan")  # seconds per timed step, from the MFU
+peak, hfu = m["matmul_peak_flops"], m["hfu"]
+step = m["flops_per_step"] / (hfu * peak) if hfu else float("nan")  # seconds per timed step, from the HFU
 grads = 4 * params  # fp32 gradients, all_reduced by DDP every step
 seconds, how = all_reduce_seconds(rows, grads)
 md(f"One large square matrix product reached **{peak / 1e9:.1f} GFLOP/s** on each rank's "
-   f"{'GPU' if not DEVICE else 'share of the CPU'}; the training steps reached {mfu * peak / 1e9:.1f} GFLOP/s: "
-   f"**MFU {mfu:.3f}**. A step multiplies matrices of {batch * tokens} x {WIDTH} by {WIDTH} x {3 * WIDTH} and "
+   f"{'GPU' if not DEVICE else 'share of the CPU'}; the training steps reached {hfu * peak / 1e9:.1f} GFLOP/s: "
+   f"**HFU {hfu:.3f} against the measured peak**. A step multiplies matrices of {batch * tokens} x {WIDTH} "
+   f"by {WIDTH} x {3 * WIDTH} and "
    f"smaller, far from the shape that reaches the peak, and spends time on what counts no FLOPs: layer norms, "
    f"softmax, GELU, the gradient clip, the optimizer, Python, and DDP's all_reduce.\n\n"
    + (f"DDP all_reduces the {grads / 1e6:.3f} MB of gradients every step. Timed from the table ({how}), "
-      f"that takes about {seconds * 1e3:.1f} ms, "
-      f"{seconds / step:.0%} of the {step * 1e3:.0f} ms a step took. Whatever splits the model instead "
+      f"that takes about {seconds * 1e3:.1f} ms when it runs alone, "
+      f"{seconds / step:.0%} of the {step * 1e3:.0f} ms a step took. DDP overlaps it with the backward pass "
+      f"(each bucket's all_reduce starts while earlier layers' gradients are computed): the time alone is the most "
+      f"it can add to the step. Whatever splits the model instead "
       f"(next lesson) sends other bytes at other moments; this table prices them." if m["world_size"] > 1 else
       "With one rank DDP sends nothing."))
 
 # %% [markdown]
 # On a GPU node the same run reports NCCL's bandwidth over NVLink and the GPU's matrix-product peak; in
-# bf16 (`--precision bf16`) the peak is that of the tensor cores. Expect a far lower MFU there for a model
+# bf16 (`--precision bf16`) the peak is that of the tensor cores. Expect a far lower HFU there for a model
 # this small: its matrices are too small to keep thousands of cores busy. Widening the model
 # (exercise 3) makes the matrices larger; in the exercise's runs the FLOP/s reached rose with it.
 #

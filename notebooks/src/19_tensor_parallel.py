@@ -152,9 +152,11 @@ md(f"Each rank holds **{max(b['cut'] / b['cut_whole'] for b in per_rank):.4f}** 
    f"position, layer norms, classifier, the row-wise layers' biases). With gradients and momentum that is "
    f"{fullest / MB:.3f} MB on the fullest rank against {replica / MB:.3f} MB for the one process "
    f"({fullest / replica:.2f}x). Step 3's peak ({m['tp']['memory']['how']}) was {peaks['tp'] / MB:.2f} MB on "
-   f"a TP rank and {peaks['one'] / MB:.2f} MB for the one process: inside the attention and the MLP each rank "
-   f"holds 1/{NPROC} of the activations, but the blocks' inputs and outputs, [batch, tokens, width], are whole "
-   f"on every rank.")
+   f"a TP rank and {peaks['one'] / MB:.2f} MB for the one process ({peaks['tp'] / peaks['one']:.2f}x, not "
+   f"1/{NPROC}): inside the attention and the MLP each rank holds 1/{NPROC} of the activations, but TP without "
+   f"sequence parallelism leaves whole on every rank the blocks' inputs and outputs (the residual stream, "
+   f"[batch, tokens, width]), the layer norms' inputs and outputs (and dropout's, in a model that has it), "
+   f"and the uncut parameters with their gradients and momentum.")
 
 # %% [markdown]
 # ## The collectives, counted and priced
@@ -170,7 +172,7 @@ activation = BATCH * tokens * WIDTH * 4  # one [batch, tokens, width] tensor in 
 count = sum(n for ops in comms.values() for op, n in ops.items() if op == "all_reduce")
 seconds, how = all_reduce_seconds(m["tp"]["collectives"], activation)
 step_tp = m["tp"]["step_seconds"]
-step_one = m["one"]["flops_per_step"] / (m["one"]["mfu"] * m["one"]["matmul_peak_flops"])
+step_one = m["one"]["flops_per_step"] / (m["one"]["hfu"] * m["one"]["matmul_peak_flops"])
 grads = 4 * params
 md(f"Step 1 issued {sum(comms.get('forward', {}).values())} all_reduces in forward and "
    f"{sum(comms.get('backward', {}).values())} in backward over {DEPTH} blocks: per block one for each "
@@ -189,9 +191,11 @@ md(f"Step 1 issued {sum(comms.get('forward', {}).values())} all_reduces in forwa
       f"of the difference. This run does not break down the rest; two costs it does not time are likely part "
       f"of it: before every operation on a DTensor torch works out, in Python, how its inputs are cut and how "
       f"its output will be, a cost per operation that matters for matrix products as small as this model's; "
-      f"and each rank multiplies matrices 1/{NPROC} as large, which uses the device less well. TP pays where a model's layers are too large for "
-      f"one device, or its matrices large enough to keep every device busy with 1/T of them, with a link as "
-      f"fast as NVLink between the GPUs of one node." if step_tp > step_one else
+      f"and each rank multiplies matrices 1/{NPROC} as large, which uses the device less well. TP pays at "
+      f"scale: where the global batch leaves data parallelism no more samples to split over more GPUs, or "
+      f"FSDP2's calls over many ranks get small and dominated by their latency; inside a node, with a link as fast as "
+      f"NVLink; with matrices large enough to keep every device busy with 1/T of them; and, rarely, where a "
+      f"layer is too large for one device." if step_tp > step_one else
       ": faster than one process here, each rank doing 1/T of the matrix products."))
 
 # %% [markdown]
