@@ -211,11 +211,19 @@ def scaling(run_dir) -> dict:
 @solution("7_mnist_ddp_pt_timing", 1)
 @pytest.mark.slow
 def test_7_1_a_larger_batch_shrinks_the_share_of_communication(tmp_path, dataset):
+    """The share is a difference of two medians of a few ms each: on an idle machine 13% at batch 1024 against
+    about 50% at 64, but the suite's other workers can swamp one probe (0.634 against 0.519 seen once in a
+    whole run).  Each attempt runs both exercise lines afresh; the claim must hold in one of three."""
     env = {"OMP_NUM_THREADS": None}  # the lesson's own threads per rank, as in a terminal
-    run_solution("7_mnist_ddp_pt_timing", 1, tmp_path, line=0, env=env)
-    run_solution("7_mnist_ddp_pt_timing", 1, tmp_path, line=1, env=env)
-    b64, b1024 = scaling(tmp_path / "solutions/7-b64"), scaling(tmp_path / "solutions/7-b1024")
-    assert float(b1024[2]["comm_share"]) < float(b64[2]["comm_share"])
+    seen = []
+    for _ in range(3):
+        run_solution("7_mnist_ddp_pt_timing", 1, tmp_path, line=0, env=env)
+        run_solution("7_mnist_ddp_pt_timing", 1, tmp_path, line=1, env=env)
+        b64, b1024 = scaling(tmp_path / "solutions/7-b64"), scaling(tmp_path / "solutions/7-b1024")
+        seen.append((float(b1024[2]["comm_share"]), float(b64[2]["comm_share"])))
+        if seen[-1][0] < seen[-1][1]:
+            break
+    assert seen[-1][0] < seen[-1][1], f"(batch 1024, batch 64) comm shares of each attempt: {seen}"
 
 
 @solution("7_mnist_ddp_pt_timing", 2)
