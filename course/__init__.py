@@ -9,11 +9,12 @@ repeats unchanged lives here, grouped by what it is for:
     course/checkpoints/  lesson 12's checkpoint files (files.py) and lesson 16's sharded ones (dcp.py)
     course/measuring/    what a step costs and holds: memory, timing, the profiler, the hardware monitor,
                          bandwidth and FLOPs, the collectives and the pipeline's bubble, hangs explained
-    course/models.py     the course's models, and beside them each parallelism's plan (tensor parallel,
-                         pipeline stages): the model's definition does not change between lessons
+    course/models.py     the course's models, and the pipeline stages' split the benchmark builds with (the
+                         lessons write their plans themselves): the model's definition does not change
 
-and the commands a trainer or learner runs: day1_sequence.py (the course's main job), readiness.py (the
-cluster's readiness check), sizing.py (how many nodes a class needs), tensorboard_private.py.
+and the commands a trainer or learner runs: day1_sequence.py (the course's main job), fit.py ("will it
+fit?": memory per rank for each layout, before the queue), readiness.py (the cluster's readiness check),
+sizing.py (how many nodes a class needs), tensorboard_private.py.
 
 Imports go one way, with no circle: launching needs nothing else of the course; models uses launching's
 command line alone; training uses those two; checkpoints and measuring use those three.

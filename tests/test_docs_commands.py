@@ -48,12 +48,18 @@ ELSEWHERE = {
     "python data_tools/prepare_data.py": ("tests/test_data_tools.py", "prepare_data.py"),
     "python data_tools/create_mnist_h5.py": ("tests/test_create_mnist_h5.py", "create_mnist_h5"),
     "python -m course.tensorboard_private": ("tests/test_private_tensorboard.py", "course.tensorboard_private"),
+    "python -m course.fit": ("tests/test_fit.py", "course.fit"),  # every command of will-it-fit.md, run as written
     "python -m torch.distributed.flight_recorder.fr_trace": ("tests/test_day3_hangs.py", "fr_trace"),
     "python scripts/lesson_diffs.py": ("tests/test_lesson_diffs.py", "lesson_diffs.py"),
     "./day2/multinode_setup_and_run.sh": ("tests/test_day2_slurm.py", "multinode_setup_and_run.sh"),
     "tensorboard": ("tests/tensorboard_server.py", '"--logdir"'),  # the server, started for real
     "git clone": ("tests/test_shared_install.py", "git clone"),  # the shared install's recipe, as written
     "git bundle create": ("tests/test_shared_install.py", "git bundle create"),
+    "python templates/train_ddp.py": ("tests/test_templates.py", "page_commands"),  # parsed there, and run
+    "python templates/train_fsdp.py": ("tests/test_templates.py", "page_commands"),
+    "python templates/parity_check.py": ("tests/test_templates.py", "page_commands"),
+    "torchrun --standalone --nproc_per_node=2 templates/train_ddp.py":
+        ("tests/test_templates.py", "torch.distributed.run"),
 }
 # Plain shell and coreutils: what the course does not own and no test of the course needs to run.
 SHELL = {"cd", "export", "echo", "mkdir", "umask", "source", "hostname", "exit", "diff", "grep", "sort", "kill",

@@ -14,7 +14,7 @@ MAY_IMPORT = {
     "checkpoints": {"launching", "models", "training"},
     "measuring": {"launching", "models", "training"},
 }
-COMMANDS = {"day1_sequence", "readiness", "sizing", "tensorboard_private"}  # run by trainers and learners
+COMMANDS = {"day1_sequence", "fit", "readiness", "sizing", "tensorboard_private"}  # run by trainers and learners
 
 
 def module_name(path: Path) -> str:
