@@ -1,7 +1,7 @@
 """Section parallel: lessons 18-20's model parallelism: what each rank holds, what the collectives reach.
 
 Each rank builds the same ViT (width 128, depth 4, 4 heads; width 32, depth 2 with --smoke) and cuts it as
-the lessons do (course/models.py's `tensor_parallel_plan`, course/measuring/parallel.py's counts):
+the lessons do (lesson 19's plan, course/measuring/parallel.py's counts):
 - tensor parallel over T = 2 and 4 ranks (lesson 19): the bytes of the cut parameters on each rank against
   their whole size; the course's goal is exactly 1/T on every rank (bytes counted, not timed);
 - on a 2 x 2 mesh (lesson 20, 4 ranks): FSDP2 x TP and HSDP, the bytes all ranks hold of the cut parameters
@@ -12,7 +12,7 @@ the lessons do (course/models.py's `tensor_parallel_plan`, course/measuring/para
   (reported: on a CPU TP sends 4 activations per block and step where DDP sends the gradients once);
 - the pipeline's bubble (lesson 21) at p = 2 and 4 stages (one block each): GPipe with m = p micro-batches,
   1F1B with m = 2p, every stage given a simulated compute of 40 ms per micro-batch forward and 80 ms
-  backward (course/measuring/parallel.py's SimulatedCompute; 5 ms with --smoke): rank 0's measured waiting, 1 - the
+  backward (course/measuring/parallel.py's StageBook, as lesson 21; 5 ms with --smoke): rank 0's measured waiting, 1 - the
   seconds its stage computed / the schedule's seconds, against (p - 1) / (m + p - 1); goal: within 15%.
 On one CPU the ranks share the cores and gloo's collectives run over loopback: the bandwidth is this
 machine's, not a network's.
@@ -26,16 +26,18 @@ import torch.nn.functional as F
 
 from benchmarks.common import Row, max_over_ranks, spawn
 from course.measuring import hardware, parallel
-from course.models import ViT, build_stages, tensor_parallel_plan
+from course.models import ViT, build_stages
 
 
 def _model(cfg, layout: str, world: int):
     """The ViT cut as a lesson cuts it: "tp" (lesson 19), "fsdp-tp" or "hsdp" (lesson 20, rows of 2), "ddp"."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    plan = {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),  # lesson 19's plan
+            "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
     torch.manual_seed(0)
     model = ViT(7, cfg["width"], cfg["depth"], cfg["heads"])
     if layout == "ddp":
@@ -43,13 +45,13 @@ def _model(cfg, layout: str, world: int):
     if layout == "tp":
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         for block in model.blocks:
-            parallelize_module(block, mesh, tensor_parallel_plan())
+            parallelize_module(block, mesh, plan)
         return model
     names = ("dp", "tp") if layout == "fsdp-tp" else ("replicate", "shard")
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=names)
     if layout == "fsdp-tp":
         for block in model.blocks:
-            parallelize_module(block, mesh["tp"], tensor_parallel_plan())
+            parallelize_module(block, mesh["tp"], plan)
     shard_on = mesh["dp"] if layout == "fsdp-tp" else mesh
     for block in model.blocks:
         fully_shard(block, mesh=shard_on)
@@ -66,13 +68,15 @@ def _everyone(value):
 def _bubble(rank: int, world: int, cfg: dict, schedule: str, m: int) -> dict:
     """Lesson 21's pipeline, one block per stage, `cfg["pp_steps"]` timed steps after one that learns the
     shapes: rank 0's compute seconds and the schedule's seconds."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     args = SimpleNamespace(patch=7, width=cfg["width"], depth=world, heads=cfg["heads"], schedule=schedule,
                            stage_ms=cfg["stage_ms"], microbatches=m)
     model, ids, n = build_stages(args, 0, rank, world, torch.device("cpu"))
-    pipes, clock = parallel.timed_stages(model, ids, n, torch.device("cpu"), args)
-    steps = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](pipes[0], m, loss_fn=F.cross_entropy)
+    book = parallel.StageBook(torch.device("cpu"), args.stage_ms)  # lesson 21's book of the chunks
+    pipe = PipelineStage(book.wrap(model[0], ids[0]), ids[0], n, torch.device("cpu"))
+    clock = parallel.PipelineClock(book)
+    steps = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](pipe, m, loss_fn=F.cross_entropy)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4 * m, 1, 28, 28, generator=g), torch.randint(0, 10, (4 * m,), generator=g)
     for step in range(cfg["pp_steps"] + 1):

@@ -44,11 +44,12 @@ class Block(nn.Module):
     """One transformer block, pre-norm: x + attention(norm(x)), then x + MLP(norm(x)).  Day 3 checkpoints
     and shards the model block by block, so a block is the unit that owns its parameters.
     `qkv` makes every head's query, key and value with one matrix, its rows ordered head by head (head 0's
-    q, k, v, then head 1's, ...): cut into T equal pieces of rows, as tensor parallelism cuts it (lesson 19,
-    `tensor_parallel_plan`), each piece holds whole heads.  Its initial rows are drawn as nn.Linear draws
+    q, k, v, then head 1's, ...): cut into T equal pieces of rows, as tensor parallelism cuts it (lesson 19's
+    plan), each piece holds whole heads.  Its initial rows are drawn as nn.Linear draws
     them, all queries, then all keys, then all values, and put in that order: the same numbers in each
     head's q, k and v whichever order the rows are kept in.  The forward pass takes the number of heads
-    from the tensor it gets (`-1` below), so that the same code runs on all heads or on a rank's share."""
+    from the tensor it gets (`-1` below), so that the same code runs on all heads or on a rank's share, and
+    the number of tokens from qkv's output, so that its input may be a rank's share of the tokens."""
 
     def __init__(self, width: int, heads: int, mlp_ratio: int = 2):
         super().__init__()
@@ -66,8 +67,9 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(width, mlp_ratio * width), nn.GELU(), nn.Linear(mlp_ratio * width, width))
 
     def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, -1, 3, self.head_width).permute(3, 0, 2, 1, 4)
+        qkv = self.qkv(self.norm1(x))
+        b, t = qkv.shape[:2]  # all the tokens, also where x holds a piece of them (sequence parallel, lesson 19)
+        q, k, v = qkv.view(b, t, -1, 3, self.head_width).permute(3, 0, 2, 1, 4)
         attended = nn.functional.scaled_dot_product_attention(q, k, v)  # [b, heads, t, head_width]
         x = x + self.proj(attended.transpose(1, 2).reshape(b, t, -1))
         return x + self.mlp(self.norm2(x))
@@ -150,24 +152,9 @@ def model_from_args(args, seed: int) -> nn.Module:
 
 # ------------------------------------------------------------------------------------------ day 4: the plans
 
-def tensor_parallel_plan() -> dict:
-    """How lesson 19 cuts one Block over the T ranks of a tensor-parallel mesh: `parallelize_module`'s plan,
-    keyed by the block's submodules.  Each pair is column-wise then row-wise (Megatron-LM's split):
-    - `qkv` and `mlp.0` column-wise: rank r keeps the r-th of T pieces of their output rows (weight and bias
-      Shard(0)) and computes that part of their output from the whole input, without communicating; qkv's
-      rows are ordered head by head (Block), so a piece is whole heads, and attention runs on them locally;
-    - `proj` and `mlp.2` row-wise: rank r keeps the matching columns (weight Shard(1); the bias whole,
-      Replicate) and multiplies its part of the input by them: a partial sum, which one all_reduce in the
-      forward pass adds up over the ranks.  Backward: one all_reduce of the column-wise layer's input
-      gradient.  So 2 all_reduces forward and 2 backward per block, each the size of the activations."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
-            "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
-
-
 def check_tensor_parallel(args, degree: int) -> None:
-    """One clear line, before any rank starts, when the ViT's heads do not divide among `degree` ranks."""
+    """One clear line, before any rank starts, when the ViT's heads do not divide among `degree` ranks, or
+    (--sequence-parallel) its tokens do not."""
     from course.launching.cli import CourseError
 
     if args.heads % degree:
@@ -176,6 +163,12 @@ def check_tensor_parallel(args, degree: int) -> None:
         raise CourseError(f"--heads {args.heads} does not divide among {degree} tensor-parallel ranks (each rank "
                           f"computes whole heads); use {sizes} ranks, or --heads {degree} (or a multiple) with a "
                           f"--width it divides")
+    tokens = (28 // args.patch) ** 2
+    if getattr(args, "sequence_parallel", False) and tokens % degree:
+        fits = [str(p) for p in (1, 2, 4, 7, 14) if ((28 // p) ** 2) % degree == 0]
+        raise CourseError(f"--sequence-parallel cuts the {tokens} tokens of --patch {args.patch} into {degree} equal "
+                          f"pieces, one per tensor-parallel rank, and {degree} does not divide {tokens}; use --patch "
+                          f"{' or '.join(fits)}, or another number of ranks")
 
 
 class Stage(nn.Module):

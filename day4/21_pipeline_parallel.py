@@ -7,21 +7,23 @@
 Lesson 19's loop with tensor parallelism replaced by pipeline parallelism (PP):
 - Tensor parallelism (lesson 19) cuts every layer and adds up the ranks' parts at every layer.  A pipeline
   cuts the model between layers: rank r holds stage r, a run of consecutive blocks (the first stage also
-  the patch embedding, the last the norm and the head: the plan beside the model, course/models.py,
-  `pipeline_plan`), and sends only its output activations to the next stage's rank and, in the backward
+  the patch embedding, the last the norm and the head: `plan` in the worker), and sends only its output
+  activations to the next stage's rank and, in the backward
   pass, their gradients back: point to point, one tensor [micro-batch, tokens, width] each way per micro-
   batch and stage boundary.  So it also serves over the slower links between nodes.
-- Each rank builds only its stages (course/models.py, `build_stages`), from the ViT's parts drawn one at a
-  time under the same seed: the stages together start from one process's weights at that seed, and no rank
-  holds the whole model.  Each becomes a torch `PipelineStage` (course/measuring/parallel.py, `timed_stages`: the
-  class, which also adds up the seconds its forward and backward chunks compute).
+- Each rank builds only its stages (`Stage`, course/models.py: the ViT's forward over the parts it holds),
+  from the ViT's parts drawn one at a time in order under the same seed: the stages together start from one
+  process's weights at that seed, and no rank holds the whole model.  Each becomes a torch `PipelineStage`,
+  which sends its outputs to stage i + 1's rank and receives their gradients.  What it wraps is the stage with
+  two marks around it (course/measuring/parallel.py, `StageBook.wrap`: timing only, and --stage-ms).
 - While the last stage works on the whole batch the first stage could only wait: the batch is cut into m
   micro-batches (--microbatches), numbered from 0, so that stage 0 computes micro-batch 1 while stage 1
   computes micro-batch 0.  torch.distributed.pipelining runs them in an order, the schedule (--schedule):
   GPipe: every micro-batch's forward, then every backward; a stage holds the activations of all m.
   1F1B: after a warm-up of p - r forwards on rank r, a backward after each forward: at most p micro-batches'
   activations held, the same waiting time; torch requires m >= p.  Interleaved 1F1B: 2 stages per rank (rank r holds stages r and
-  r + p, each half the blocks): the waiting shrinks, the sends double.
+  r + p, each half the blocks): the waiting shrinks, the sends double.  torch 2.14.1's zero-bubble schedules
+  (which split each backward in two) are not run here: docs/learners/model-parallel.md says why.
 - The bubble: with p stages and m micro-batches of equal compute time, each rank waits (p - 1) / (m + p - 1)
   of a step (interleaved: (p - 1) / (2m + p - 1)).  --stage-ms f makes each stage's compute take f ms in the
   forward and 2f in the backward per micro-batch (a sleep: course/measuring/parallel.py), so that the measured
@@ -45,6 +47,9 @@ Lesson 19's loop with tensor parallelism replaced by pipeline parallelism (PP):
   and 15); the last step's chunks, every rank's, go to metrics.json ("timeline") for the notebook's picture.
 --batch-size is the whole batch, cut into --microbatches micro-batches; every rank loads the same batches
 (stage 0 uses the images, the last stage the labels).
+Against lesson 19 this lesson changes about 115 lines, more than the course's usual 80: the stage split and
+torch's PipelineStage are its idea, so both are written here rather than in a helper; and lesson 19's
+tensor-parallel build (its plan, meta device and sequence parallelism) goes.
 Tags: `# DDP:` what makes training data-parallel (none here); `# DIST:` any other torch.distributed line.
 """
 import sys
@@ -59,7 +64,7 @@ require(__file__)  # before torch: a torch or package this lesson lacks is one l
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
@@ -67,7 +72,7 @@ from course.launching import cli
 from course.launching.launch import backend_for, launch, setup_device
 from course.measuring import hardware, memory, parallel
 from course.measuring.profiling import add_profile_args, maybe_profile
-from course.models import add_vit_args, build_stages, check_pipeline, check_vit_args
+from course.models import Stage, add_vit_args, check_pipeline, check_vit_args, vit_parts
 from course.training.evaluate import evaluate
 from course.training.output import plot_curves, rank_print, save_weights, write_json
 from course.training.precision import DTYPES, check_precision
@@ -86,13 +91,28 @@ def worker(info, args):
     train_set = InMemoryMNIST(args.dataset, "train", args.data_dir, device, limit=args.train_samples or 0)
     test_set = InMemoryMNIST(args.dataset, "test", args.data_dir, device)
 
-    model, ids, n_stages = build_stages(args, args.seed, rank, world_size, device)  # mine only: stage r of p
+    # The split: p stages of consecutive blocks (interleaved: 2p, rank r holds stages r and r + p, a loop)
+    per_rank = 2 if args.schedule == "interleaved-1f1b" else 1
+    n_stages, ids = per_rank * world_size, [rank + i * world_size for i in range(per_rank)]  # mine: stage r of p
+    per = args.depth // n_stages
+    plan = [[f"blocks.{b}" for b in range(s * per, (s + 1) * per)] for s in range(n_stages)]
+    plan[0], plan[-1] = ["embed", "position"] + plan[0], plan[-1] + ["norm", "head"]  # small next to a block
+    torch.manual_seed(args.seed)  # the ViT's parts drawn one at a time, in order: together one process's weights
+    mine = {s: {} for s in ids}
+    for name, part in vit_parts(args.patch, args.width, args.depth, args.heads):  # one block held at a time
+        for s in ids:
+            if name in plan[s]:
+                mine[s][name] = part
+    model = torch.nn.ModuleList(Stage(mine[s]) for s in ids).to(device)  # my stages only: no rank holds them all
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     dtype = DTYPES[args.precision]
     peak = memory.StepPeak(model, optimizer, device)  # step 3's bytes: held as it begins, most during it
-    pipes, clock = parallel.timed_stages(model, ids, n_stages, device, args, untimed=(1, peak.at))  # DIST: torch's
-    schedule = SCHEDULES[args.schedule](pipes if len(pipes) > 1 else pipes[0], args.microbatches,  # PipelineStages
+    book = parallel.StageBook(device, args.stage_ms / per_rank)  # not torch: times the chunks, adds --stage-ms
+    pipes = [PipelineStage(book.wrap(stage, i), stage_index=i, num_stages=n_stages, device=device)  # DIST: its
+             for stage, i in zip(model, ids)]  # sends and receives, to the ranks of stages i - 1 and i + 1
+    schedule = SCHEDULES[args.schedule](pipes if len(pipes) > 1 else pipes[0], args.microbatches,
                                         loss_fn=F.cross_entropy, scale_grads=True)  # DIST: the order; loss: mean
+    clock = parallel.PipelineClock(book, untimed=(1, peak.at))  # not torch: each step's seconds and compute
 
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed)  # DIST: same for all
     if args.loader == "dataloader":  # the loop to write for your own dataset
@@ -135,7 +155,7 @@ def worker(info, args):
     seconds = time.perf_counter() - start
     prof.close()
     rank_print(rank, f"{step} steps in {seconds:.1f} s (every rank: {len(sampler)} samples per epoch); {peak}")
-    pipeline, spans = clock.report(rank, world_size, args, ids, model)  # DIST: my stages; rank 0: the bubble
+    pipeline, spans = clock.report(rank, world_size, args, ids, model, [plan[i] for i in ids])  # DIST: rank 0: the bubble
 
     losses = torch.stack(losses)
     dist.broadcast(losses, src=world_size - 1)  # DIST: the last stage's losses, to every rank (once, at the end)

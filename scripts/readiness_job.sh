@@ -54,5 +54,5 @@ check "day-3 lesson (15)" srun --kill-on-bad-exit=1 "$PYTHON" -u "$COURSE_REPO/d
     --max-steps 3 --run-dir "$RESULTS/15"
 # as its launcher runs it: a row of the mesh per node (--inner: the tasks per node)
 check "day-4 lesson (20)" srun --kill-on-bad-exit=1 "$PYTHON" -u "$COURSE_REPO/day4/20_device_mesh_2d.py" \
-    --inner "$TASKS_PER_NODE" --quick --max-steps 2 --sizes-mib 0.25 --run-dir "$RESULTS/20"
+    --inner "$TASKS_PER_NODE" --quick --max-steps 2 --run-dir "$RESULTS/20"
 "$PYTHON" "$READINESS" verdict "$RESULTS" "${DECLARED[@]}"

@@ -94,21 +94,22 @@ RUNS.update(plan("15: ", "day3/15_fsdp2.py", FSDP, {
 # 2 x 2 meshes with the same global batch of 32
 DAY4 = ("--train-samples", "640", "--batch-size", "32", "--seed", "5", "--lr", "0.5", "--clip-grad-norm", "0.5",
         "--max-steps", "4", "--loader", "memory", "--width", "32", "--depth", "2", "--heads", "4",
-        "--precision", "fp32", "--sizes-mib", "0.25")
+        "--precision", "fp32")
 HARDWARE = "day4/18_hardware_limits.py"
 RUNS.update(plan("18-20: ", "day4/19_tensor_parallel.py", DAY4, {
-    "one": ("self", 1, (), HARDWARE),
+    "one": ("self", 1, ("--sizes-mib", "0.25"), HARDWARE),  # lesson 18's sweep, at one size: 19 and 20 price their own
+    "tp1": ("self", 1, ()),  # a mesh of one rank: nothing cut, nothing sent
     "tp2": ("torchrun", 2, ()),
     "tp4": ("self", 4, ()),
     "fsdp-tp": ("self", 4, ("--batch-size", "16"), "day4/20_device_mesh_2d.py"),
     "hsdp": ("torchrun", 4, ("--batch-size", "8", "--layout", "hsdp"), "day4/20_device_mesh_2d.py"),
 }))
 
-# lesson 21 (tests/test_day4_pipeline.py): one process (lesson 18, depth 4) and the schedules, 160 ms a stage
+# lesson 21 (tests/test_day4_pipeline.py): one process (lesson 18, depth 4) and the schedules, 40 ms a stage
 PIPELINE = ("--train-samples", "640", "--batch-size", "32", "--seed", "5", "--lr", "0.5", "--clip-grad-norm", "0.5",
             "--max-steps", "5", "--loader", "memory", "--width", "32", "--depth", "4", "--heads", "4",
             "--precision", "fp32")
-STAGE_MS = 160  # long against what the bubble's formula leaves out (~5-10 ms a slot here, more under load)
+STAGE_MS = 40  # long against what the bubble's formula leaves out (~5-10 ms a slot here, more under load)
 PIPELINE_PLAN = {"gpipe-p2-m2": ("gpipe", 2, 2, "self"), "gpipe-p2-m4": ("gpipe", 2, 4, "self"),
                  "1f1b-p2-m4": ("1f1b", 2, 4, "self"), "1f1b-p4-m4": ("1f1b", 4, 4, "torchrun"),
                  "1f1b-p4-m8": ("1f1b", 4, 8, "self"), "interleaved-1f1b-p2-m4": ("interleaved-1f1b", 2, 4, "self")}

@@ -17,14 +17,23 @@ Bounds (the numbers are next to each assertion):
   and [2, 3]; step 1's collectives: TP's 2 + 2 all_reduces per block (FSDP2 x TP only), FSDP2's all_gather
   and reduce_scatter once per block and root, HSDP's all_reduce of each gradient shard across the rows.
 - step 1's collectives, counted by torch's CommDebugMode: 2 all_reduces per block forward, 2 backward.
+- lessons 19 and 20 price what the step sent where it ran (integers, exact): each kind of call on its mesh
+  dimension's group (rank 0's: the row [0, 1], the column [0, 2]; 2 ranks, not the world's 4), with the bytes
+  computed here from the model's shapes (TP: [batch, tokens, width] in fp32; FSDP2: every parameter's piece
+  padded to ceil(d0 / n) rows, n pieces; HSDP's all_reduce: one piece), x the calls per step.  On two nodes
+  (two torchrun agents with a node name each, and the real two-node Slurm) the "tp" rows are inside a node
+  and the "dp" columns across.
 - lesson 18's FLOPs of step 1, counted by FlopCounterMode (with the CPU attention's formula), within 10% of
   6 x parameters x tokens + 12 x depth x tokens x width x tokens (measured 0.97 at width 64; 0.95 here).
 - lesson 18 in a network namespace of its own (root): the bytes the interfaces sent per rank against the
   ring formula, at 4 MiB: all_reduce and all_gather within 1% (measured 1.001-1.004); gloo's reduce_scatter
   sends twice the formula (measured 2.002), what an all_reduce of the same tensor sends.
 """
+import math
 import os
+import re
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -32,6 +41,7 @@ import torch
 import reference_runs
 from catalogue import Runs
 from conftest import PYTHON, REPO, metrics, run
+from course.launching.ports import free_port
 from course.training.output import load_weights
 
 pytestmark = pytest.mark.slow
@@ -58,7 +68,7 @@ def wire(tmp_path_factory, dataset):
     """Lesson 18 at 4 MiB in a network namespace of its own (root), so that its interfaces' counters see only
     its ranks: no other test reads it."""
     run_dir = tmp_path_factory.mktemp("wire")
-    run([*own_network(), PYTHON, REPO / HARDWARE, *COMMON[:-1], "4", "--max-steps", "2", "--nproc", "2",
+    run([*own_network(), PYTHON, REPO / HARDWARE, *COMMON, "--sizes-mib", "4", "--max-steps", "2", "--nproc", "2",
          "--run-dir", run_dir])
     return run_dir
 
@@ -68,9 +78,10 @@ def vector(run_dir) -> torch.Tensor:
     return torch.cat([w[k].flatten() for k in sorted(w)])
 
 
-@pytest.mark.parametrize("t", [pytest.param(2, marks=pytest.mark.quick("19")), 4])
+@pytest.mark.parametrize("t", [1, pytest.param(2, marks=pytest.mark.quick("19")), 4])
 def test_tensor_parallel_ends_where_one_process_ends(runs, t):
-    """Measured: 2.8e-8 at T = 2, 3.0e-8 at T = 4; bound 1e-6."""
+    """Measured: 2.8e-8 at T = 2, 3.0e-8 at T = 4; bound 1e-6.  T = 1 (a mesh of one rank: nothing is cut
+    and nothing sent) runs too, and says so."""
     tp, one = runs[f"tp{t}"][0], runs["one"][0]
     a, b = load_weights(tp / "model.pt"), load_weights(one / "model.pt")
     assert sorted(a) == sorted(b) and all(a[k].shape == b[k].shape for k in a)  # whole weights, one state dict
@@ -83,6 +94,8 @@ def test_tensor_parallel_ends_where_one_process_ends(runs, t):
     assert mt["grad_norm_per_step"] == pytest.approx(mo["grad_norm_per_step"], rel=EQUAL)
     assert min(mo["grad_norm_per_step"]) > 0.5  # the clip at 0.5 was active, over DTensors and plain tensors
     assert mt["identical_weights"] is True  # the uncut parameters stayed equal on every rank
+    if t == 1:
+        assert "no parameter is cut on one rank" in runs["tp1"][1]
 
 
 @pytest.mark.parametrize("t", [2, 4])
@@ -135,6 +148,128 @@ def test_a_2d_mesh_cuts_every_parameter_and_counts_its_collectives(runs, layout)
     else:
         assert comms["forward"] == fsdp["forward"]
         assert comms["backward"] == {**fsdp["backward"], "all_reduce (FSDP2)": 3}
+
+
+TOKENS, WIDTH, DEPTH = (28 // 7) ** 2, 32, 2  # the reference runs' ViT (tests/reference_runs.py, DAY4)
+COLUMN_WISE, ROW_WISE = ("qkv", "mlp.0"), ("proj", "mlp.2")  # the lessons' TP plan (Megatron-LM's pairs)
+
+
+def tp_piece(name: str, shape: tuple, t: int) -> tuple:
+    """A block parameter's shape on one of T tensor-parallel ranks: column-wise layers keep 1/T of their output
+    rows (weight and bias), row-wise ones 1/T of their weight's input columns (the bias whole)."""
+    layer, kind = name.rsplit(".", 1)
+    if layer in COLUMN_WISE:
+        return (shape[0] // t, *shape[1:])
+    if layer in ROW_WISE and kind == "weight":
+        return (shape[0], shape[1] // t)
+    return shape
+
+
+def gathered(shapes: list, n: int) -> int:
+    """The elements FSDP2 all_gathers for one unit over n ranks (and reduce_scatters back): each parameter cut
+    along its first dimension as torch.chunk cuts it, every rank's piece padded to the largest, ceil(d0 / n)."""
+    return sum(n * -(-s[0] // n) * math.prod(s[1:]) for s in shapes)
+
+
+def sent_by_the_step(layout: str, batch: int, t: int = 2, n: int = 2) -> set:
+    """What one training step sends, from the sizes alone: {(dim, rank 0's group, op, bytes in fp32, calls)}.
+    TP: 2 all_reduces forward and 2 backward per block, each of one activation [batch, tokens, width]. FSDP2:
+    one all_gather per unit forward (the blocks and the root), one per block backward (the root stays
+    gathered), one reduce_scatter per unit.  HSDP: then one all_reduce per unit of the gradient shard."""
+    from course.models import ViT
+
+    model = ViT(7, WIDTH, DEPTH, 4)
+    block = [tp_piece(k, tuple(p.shape), t if layout != "hsdp" else 1) for k, p in model.blocks[0].named_parameters()]
+    root = [tuple(p.shape) for k, p in model.named_parameters() if not k.startswith("blocks.")]
+    if layout == "tp":
+        return {("tp", tuple(range(t)), "all_reduce", 4 * batch * TOKENS * WIDTH, 4 * DEPTH)}
+    row, column = ((0, 1), (0, 2))
+    inside, across = ("tp", "dp") if layout == "fsdp-tp" else ("shard", "replicate")
+    fsdp_on, fsdp_group = (across, column) if layout == "fsdp-tp" else (inside, row)
+    sent = {(fsdp_on, fsdp_group, "all_gather", 4 * gathered(block, n), 2 * DEPTH),
+            (fsdp_on, fsdp_group, "all_gather", 4 * gathered(root, n), 1),
+            (fsdp_on, fsdp_group, "reduce_scatter", 4 * gathered(block, n), DEPTH),
+            (fsdp_on, fsdp_group, "reduce_scatter", 4 * gathered(root, n), 1)}
+    if layout == "fsdp-tp":
+        return sent | {("tp", row, "all_reduce", 4 * batch * TOKENS * WIDTH, 4 * DEPTH)}
+    return sent | {("replicate", column, "all_reduce", 4 * gathered(block, n) // n, DEPTH),
+                   ("replicate", column, "all_reduce", 4 * gathered(root, n) // n, 1)}
+
+
+def priced(m: dict) -> set:
+    return {(r["dim"], tuple(r["group"]), r["op"], r["bytes"], r["calls"]) for r in m["collectives_priced"]}
+
+
+@pytest.mark.parametrize("name, layout, batch", [("tp2", "tp", 32), ("tp4", "tp", 32), ("fsdp-tp", "fsdp-tp", 16),
+                                                 ("hsdp", "hsdp", 8)])
+def test_each_collective_is_priced_on_its_mesh_dimensions_group_with_the_bytes_the_step_sent(runs, name, layout,
+                                                                                           batch):
+    """Not an all_reduce over every rank at sizes the training never sends (the sweep of lesson 18): each kind
+    of call of step 1 again, on this rank's row or column of the mesh (`mesh.get_group(dim)`), with the tensor
+    the step sent, x the calls per step; on one machine every group is inside one node."""
+    m = metrics(runs[name][0])
+    t = m["world_size"] if layout == "tp" else 2
+    assert priced(m) == sent_by_the_step(layout, batch, t), sorted(priced(m))
+    assert all(r["dtype"] == "float32" and r["ranks"] == len(r["group"]) and r["seconds"] > 0
+               and r["seconds_per_step"] == pytest.approx(r["calls"] * r["seconds"]) for r in m["collectives_priced"])
+    dims = m["collectives_per_dimension"]
+    assert sorted(dims) == sorted(m["mesh"]["dims"]) and not any(d["inter_node"] for d in dims.values())
+    if layout != "tp":  # a row or a column of the 2 x 2 mesh: 2 ranks, not the world's 4
+        assert m["world_size"] == 4 and {d["ranks"] for d in dims.values()} == {2}
+    for dim, d in dims.items():
+        rows = [r for r in m["collectives_priced"] if r["dim"] == dim]
+        assert d["calls"] == sum(r["calls"] for r in rows) and d["bytes"] == sum(r["calls"] * r["bytes"] for r in rows)
+        assert d["seconds"] == pytest.approx(sum(r["calls"] * r["seconds"] for r in rows))
+        assert f"'{dim}' ({d['ranks']} ranks, inside one node): {d['calls']} calls, {d['bytes'] / 1e6:.3f} MB" in runs[name][1]
+
+
+def test_on_two_nodes_the_tp_rows_are_priced_inside_a_node_and_the_dp_columns_across(tmp_path):
+    """Two torchrun agents on this machine as two nodes of 2 ranks, each agent's ranks told their node's name
+    (SLURMD_NODENAME, which the lessons read as Slurm's name of the node): FSDP2 x TP with --inner 2 keeps each
+    row, TP's group, on one node, and FSDP2's columns span both.  The same on the real two-node Slurm: the next
+    test, and lesson 20's batch job (tests/test_slurm_launchers.py, check_20_device_mesh_2d)."""
+    port, run_dir = free_port(), tmp_path / "two-nodes"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")
+           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
+    agents = [subprocess.Popen([PYTHON, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                                "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
+                                REPO / MESH, *COMMON, "--batch-size", "16", "--max-steps", "2", "--inner", "2",
+                                "--run-dir", run_dir], cwd=REPO, env={**env, "SLURMD_NODENAME": f"node{node + 1}"},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    try:
+        outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    finally:
+        for agent in agents:  # one agent failed or hung: the other and its ranks go too
+            agent.kill()
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(outputs)
+    rows_on_nodes_columns_across("\n".join(outputs), metrics(run_dir))
+
+
+@pytest.mark.slurm
+def test_on_the_two_node_slurm_the_tp_rows_are_priced_inside_a_node_and_the_dp_columns_across(slurm_cluster):
+    """The same under the real two-node Slurm (tests/slurm_cluster.py): srun's tasks 0-1 on node1, 2-3 on node2,
+    --inner 2 as lesson 20's launcher passes the tasks per node.  The node names are Slurm's (SLURMD_NODENAME)."""
+    run_dir = slurm_cluster.workdir / "lesson20-priced"
+    ran = slurm_cluster.run(["salloc", "--nodes=2", "--ntasks-per-node=2", "srun", "--kill-on-bad-exit=1", PYTHON,
+                             "-u", REPO / MESH, *COMMON, "--batch-size", "16", "--max-steps", "2", "--inner", "2",
+                             "--run-dir", run_dir], timeout=300)
+    assert ran.returncode == 0, f"--- stdout\n{ran.stdout}\n--- stderr\n{ran.stderr}"
+    rows_on_nodes_columns_across(ran.stdout, metrics(run_dir))
+
+
+def rows_on_nodes_columns_across(out: str, m: dict) -> None:
+    """FSDP2 x TP on 2 nodes x 2 ranks, --inner 2: TP's rows each on one node, FSDP2's columns across both,
+    every collective priced on its own group with the bytes the step sent, and reported as such."""
+    print("\n".join(line for line in out.splitlines() if re.match(r"(dimension|tp|dp) |per step,", line)))  # -s
+    assert m["mesh"]["hosts"] == ["node1", "node1", "node2", "node2"] and m["mesh"]["rows_in_one_node"]
+    assert m["mesh"]["spans_nodes"] == {"dp": True, "tp": False}
+    dims = m["collectives_per_dimension"]
+    assert dims["tp"]["inter_node"] is False and dims["dp"]["inter_node"] is True
+    assert all(r["inter_node"] == (r["dim"] == "dp") for r in m["collectives_priced"])
+    assert priced(m) == sent_by_the_step("fsdp-tp", 16)
+    assert re.search(r"^tp +\[0, 1\] +inside a node +all_reduce ", out, re.M), out
+    assert re.search(r"^dp +\[0, 2\] +across nodes +all_gather ", out, re.M), out
+    assert "'dp' (2 ranks, across nodes): 8 calls" in out and "'tp' (2 ranks, inside one node): 8 calls" in out
 
 
 @pytest.mark.quick("18")

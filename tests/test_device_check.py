@@ -29,7 +29,7 @@ from conftest import PYTHON, REPO, lesson, run
 SITE = REPO / "tests" / "device_check"
 VIT = ("--train-samples", "640", "--seed", "5", "--loader", "memory", "--width", "32", "--depth", "2")
 DAY3 = (*VIT, "--batch-size", "16", "--max-steps", "2", "--heads", "2")
-DAY4 = (*VIT, "--batch-size", "16", "--max-steps", "2", "--heads", "4", "--sizes-mib", "0.25")  # 2 heads a rank
+DAY4 = (*VIT, "--batch-size", "16", "--max-steps", "2", "--heads", "4")  # 2 heads a rank
 # name: (script, arguments, launcher); "{run_dir}" and "{checkpoints}" are filled in; every run at 2 ranks
 RUNS = {
     "0": ("day1/0_torch_dist.py", ("--nproc", "2"), "self"),
@@ -52,7 +52,7 @@ RUNS = {
                                                          "--nproc", "2"), "self"),
     "17": ("day3/17_debugging_hangs.py", ("--train-samples", "320", "--batch-size", "16", "--epochs", "1",
                                           "--save-every", "3", "--loader", "memory", "--nproc", "2"), "self"),
-    "18": ("day4/18_hardware_limits.py", (*DAY4, "--nproc", "2"), "self"),
+    "18": ("day4/18_hardware_limits.py", (*DAY4, "--sizes-mib", "0.25", "--nproc", "2"), "self"),  # its sweep
     "19": ("day4/19_tensor_parallel.py", (*DAY4, "--nproc", "2"), "self"),
     "20": ("day4/20_device_mesh_2d.py", (*DAY4, "--nproc", "2"), "self"),  # a 1 x 2 mesh
     "21": ("day4/21_pipeline_parallel.py", (*VIT, "--batch-size", "32", "--max-steps", "2", "--heads", "2",

@@ -112,7 +112,8 @@ ENV_NOT_WALKED = {
     "SLURM_PTY_PORT": "only whether it is set: srun --pty sets it for every task of its step",
     "SLURM_GPUS_ON_NODE": "printed, and compared as a count of GPUs when it is a whole number (else read as unset)",
     "SLURM_GPU_BIND": "only printed, in the line about tasks bound to the same GPUs",
-    "SLURMD_NODENAME": "only printed and compared: the node a rank runs on (lesson 20's mesh rows, lesson 21's stages)",
+    "SLURMD_NODENAME": "only printed and compared: the node a rank runs on (lessons 19-20's mesh groups, lesson 21's "
+                       "stages)",
     "SLURM_RESTART_COUNT": "set by Slurm itself on a requeue, only counted",
     "TORCHELASTIC_RESTART_COUNT": "set by torchrun itself, only counted",
     "CUDA_VISIBLE_DEVICES": "read by the CUDA runtime; course/launching/devices.py says when a rank sees no GPU",
@@ -375,6 +376,13 @@ SAID = [  # script, arguments, environment, exit code, what the one line says
      ["--inner 3 does not divide the 4 ranks into rows", "--inner 1, 2, 4"]),
     (MESH, ["--quick", "--heads", "4", "--inner", "3", "--nproc", "6"], {}, 1,
      ["--heads 4 does not divide among 3 tensor-parallel ranks"]),
+    (TP, ["--quick", "--sequence-parallel", "--patch", "4", "--nproc", "2"], {}, 1,
+     ["--sequence-parallel cuts the 49 tokens of --patch 4 into 2 equal pieces", "use --patch 1 or 2 or 7 or 14"]),
+    (MESH, ["--quick", "--sequence-parallel", "--patch", "4", "--nproc", "4"], {}, 1,
+     ["--sequence-parallel cuts the 49 tokens of --patch 4 into 2 equal pieces"]),
+    (MESH, ["--quick", "--sequence-parallel", "--layout", "hsdp"], {}, 1,
+     ["--sequence-parallel cuts tensor parallelism's activations along the tokens; --layout hsdp has no tensor "
+      "parallelism: use --layout fsdp-tp"]),
     (PIPELINE, ["--quick", "--depth", "4", "--nproc", "3"], {}, 1,
      ["--depth 4 blocks do not divide among 3 stages (one per rank)"]),
     (PIPELINE, ["--quick", "--depth", "4", "--nproc", "4", "--schedule", "interleaved-1f1b"], {}, 1,

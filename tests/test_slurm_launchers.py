@@ -452,7 +452,7 @@ def test_a_value_slurm_refuses_fails_before_submission(slurm_cluster, env, words
 SMALL = ["--quick", "--train-samples", "3200"]  # 1 epoch, 50 steps for 1 rank; the whole test set
 RUNS = {
     # 2 nodes x 2 ranks: TP inside each node, FSDP2 across the two (--inner: the tasks per node)
-    "20_device_mesh_2d": SMALL + ["--max-steps", "6", "--sizes-mib", "0.25"],
+    "20_device_mesh_2d": SMALL + ["--max-steps", "6"],
     # 2 nodes x 2 ranks: 4 stages of one block each, 1F1B over 8 micro-batches of 8
     "21_pipeline_parallel": SMALL + ["--max-steps", "6"],
     "12_ddp_fault_tolerance": SMALL,
@@ -484,7 +484,7 @@ RUNS = {
     # the collectives at one size, then 6 DDP steps, the first one's FLOPs counted
     "18_hardware_limits": SMALL + ["--max-steps", "6", "--sizes-mib", "0.25"],
     # 6 steps with every block cut over the 2 ranks, both on the whole batch
-    "19_tensor_parallel": SMALL + ["--max-steps", "6", "--sizes-mib", "0.25"],
+    "19_tensor_parallel": SMALL + ["--max-steps", "6"],
     "create_mnist_h5": ["--chunk-samples", "500", "--output", "{work}/made-by-job.h5"],
 }
 JOB_TIMEOUT = 900  # all jobs took 4 min alone on 2 cores, over 7 in one run of the whole suite
@@ -642,6 +642,12 @@ def check_20_device_mesh_2d(log, work):
     assert "+ srun --kill-on-bad-exit=1" in log and "20_device_mesh_2d.py --inner 2 --quick" in log
     assert ("collectives in step 1, forward: 5 all_gather (FSDP2) (1.25 per block), 8 all_reduce (2 per block); "
             in log)
+    # each dimension's collectives priced on its own groups: TP's rows inside a node, FSDP2's columns across
+    assert re.search(r"^tp +\[0, 1\] +inside a node +all_reduce ", log, re.M), log
+    assert re.search(r"^dp +\[0, 2\] +across nodes +all_gather ", log, re.M), log
+    assert "'dp' (2 ranks, across nodes): 14 calls" in log and "'tp' (2 ranks, inside one node): 16 calls" in log
+    dims = json.loads((work / "runs/20_device_mesh_2d/metrics.json").read_text())["collectives_per_dimension"]
+    assert dims["dp"]["inter_node"] is True and dims["tp"]["inter_node"] is False
     assert "fsdp-tp on a 2 x 2 mesh, global batch 128, fp32: test accuracy" in log
     assert (work / "runs/20_device_mesh_2d/model.pt").stat().st_size > 0
 

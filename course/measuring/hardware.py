@@ -15,7 +15,7 @@ GPU_TOP_MIB = 1024  # NCCL over NVLink or InfiniBand still gains bus bandwidth w
 
 
 def sweep_sizes(device, asked=None) -> list:
-    """The sizes S in MiB of a bandwidth sweep (lessons 18-20's --sizes-mib, course/readiness.py's largest):
+    """The sizes S in MiB of a bandwidth sweep (lesson 18's --sizes-mib, course/readiness.py's largest):
     `asked` if given; else on the CPU CPU_SIZES_MIB (a few seconds, the CPU tests stay fast), and on a GPU
     the same x 4 each on to GPU_TOP_MIB, 0.25 to 1024 MiB: NCCL's bus bandwidth over NVLink and InfiniBand
     keeps growing past 16 MiB (nccl-tests' own sweeps go on to GiBs)."""

@@ -1,7 +1,8 @@
-"""Initial weights for a model sharded while it was still on the meta device (lesson 15).
+"""Initial weights for a model sharded or cut while it was still on the meta device (lessons 15, 16, 19, 20).
 
-`fully_shard` on a model built under `torch.device("meta")` gives every parameter its shape and its
-sharding but no memory; `model.to_empty(device=...)` then allocates this rank's shards, uninitialized.
+`fully_shard` (or `parallelize_module`, or both) on a model built under `torch.device("meta")` gives every
+parameter its shape and its placements but no memory; `model.to_empty(device=...)` then allocates this rank's
+shards (and, whole, the parameters tensor parallelism leaves plain), uninitialized.
 What goes into them here: the weights the same seed gives an unsharded ViT (lesson 13's), made on the CPU
 one part at a time in the order the ViT's constructor makes them (course.models.vit_parts), so that the
 random numbers come out in the same order.  Each rank keeps its own rows of each part and drops the rest:
@@ -15,7 +16,7 @@ reading only its rows.
 """
 import torch
 from torch import nn
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from course.models import vit_parts
 
@@ -29,6 +30,9 @@ def init_vit_shards(model: nn.Module, args, seed: int) -> None:
             {f"{name}.{key}": value for key, value in part.state_dict().items()}
         for key, whole in tensors.items():
             shard = model.get_parameter(key)
-            # this rank's rows, cut as fully_shard cuts them (rank 0 the largest piece); no communication
+            if not isinstance(shard, DTensor):  # a parameter left plain (tensor parallelism's embedding, norms, head)
+                shard.copy_(whole)
+                continue
+            # this rank's piece, cut as its placements say (fully_shard's rows: rank 0 the largest); no communication
             rows = distribute_tensor(whole.to(shard.device), shard.device_mesh, shard.placements, src_data_rank=None)
             shard.to_local().copy_(rows.to_local())

@@ -222,7 +222,8 @@ md(f"One large square matrix product reached **{peak / 1e9:.1f} GFLOP/s** on eac
       f"{seconds / step:.0%} of the {step * 1e3:.0f} ms a step took. DDP overlaps it with the backward pass "
       f"(each bucket's all_reduce starts while earlier layers' gradients are computed): the time alone is the most "
       f"it can add to the step. Whatever splits the model instead "
-      f"(next lesson) sends other bytes at other moments; this table prices them." if m["world_size"] > 1 else
+      f"(next lesson) sends other bytes at other moments, on groups of fewer ranks; lessons 19 and 20 time "
+      f"those calls themselves, on their own groups at the sizes their steps send." if m["world_size"] > 1 else
       "With one rank DDP sends nothing."))
 
 # %% [markdown]

@@ -10,7 +10,7 @@
 # train what one process with that batch trains, up to float32 rounding.
 #
 # - **A device mesh of T ranks in a row named "tp"** (`init_device_mesh`) and **`parallelize_module`** on
-#   each transformer block with a plan (`course/models.py`, `tensor_parallel_plan`): `qkv` and `mlp.0`
+#   each transformer block with a plan written in the lesson's worker: `qkv` and `mlp.0`
 #   **column-wise** (rank r keeps the r-th piece of their output features: for qkv, whole heads; they need no
 #   communication), `proj` and `mlp.2` **row-wise** (the matching input features; their output is a partial
 #   sum, all_reduced). This pairing is Megatron-LM's: one all_reduce per pair in forward, one in backward.
@@ -20,7 +20,9 @@
 # - **`clip_grad_norm_`** refuses a mix of DTensors and plain tensors; under `implicit_replication()` it
 #   takes the plain ones as whole (replicated) DTensors and computes the norm one process would.
 # - **Counting the collectives**: torch's `CommDebugMode` records every collective DTensor issues; the
-#   lesson counts step 1's and prices them at the bandwidth measured before training (lesson 18's sweep).
+#   lesson counts step 1's (with a `CommDebugMode` that also keeps each call's group and tensor) and prices
+#   them where they run: each sent again on the mesh's "tp" group (`mesh.get_group("tp")`) with the tensor
+#   the step sent, timed, times the calls per step; and it says whether that group spans nodes.
 
 # %%
 from nbhelpers import *
@@ -34,8 +36,7 @@ HEADS = 4 if 4 % NPROC == 0 else NPROC  # every rank computes whole heads: T mus
 WIDTH, DEPTH, BATCH = 16 * HEADS, 4, 32
 # the same weights, batches, learning rate and gradient clip (at a norm of 0.5) in every run
 ARGS = ["--width", str(WIDTH), "--depth", str(DEPTH), "--heads", str(HEADS), "--batch-size", str(BATCH),
-        "--precision", "fp32", "--clip-grad-norm", "0.5", "--lr", "0.5", "--seed", "5", "--loader", "memory",
-        "--sizes-mib", "0.125", "0.25"]
+        "--precision", "fp32", "--clip-grad-norm", "0.5", "--lr", "0.5", "--seed", "5", "--loader", "memory"]
 # one GPU per rank, or every rank on the CPU (NCCL cannot put two ranks on one GPU)
 DEVICE = [] if gpu_count() >= NPROC else ["--device", "cpu"]
 RUN = run_dir("19_tensor_parallel")
@@ -47,11 +48,15 @@ RUN = run_dir("19_tensor_parallel")
 # (`nn.Linear` stores its weight as output features x input features).
 
 # %%
-from course.models import ViT, tensor_parallel_plan
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from course.models import ViT
+
+# the lesson's plan, as its worker writes it
+plan = {"qkv": ColwiseParallel(), "proj": RowwiseParallel(), "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
 block = ViT(7, WIDTH, DEPTH, HEADS).blocks[0]
 rows = []
-for name, style in tensor_parallel_plan().items():
+for name, style in plan.items():
     out_features, in_features = block.get_submodule(name).weight.shape
     column = type(style).__name__ == "ColwiseParallel"
     rows.append({"layer": name, "plan": type(style).__name__, "weight, whole": f"{out_features} x {in_features}",
@@ -90,7 +95,8 @@ show_tagged("day4/19_tensor_parallel.py")
 
 # %%
 run_lesson("day4/19_tensor_parallel.py", *SIZE, *DEVICE, *ARGS, "--run-dir", RUN / "tp", nproc=NPROC)
-run_lesson("day4/18_hardware_limits.py", *SIZE, *DEVICE, *ARGS, "--run-dir", RUN / "one", nproc=1)
+run_lesson("day4/18_hardware_limits.py", *SIZE, *DEVICE, *ARGS, "--sizes-mib", "0.25", "--run-dir", RUN / "one",
+           nproc=1)  # one rank: its sweep sends nothing, one small size keeps it short
 
 # %% [markdown]
 # ## The same training
@@ -162,15 +168,20 @@ md(f"Each rank holds **{max(b['cut'] / b['cut_whole'] for b in per_rank):.4f}** 
 # ## The collectives, counted and priced
 
 # %%
-from course.measuring.hardware import all_reduce_seconds
-
 comms = m["tp"]["collectives_step_1"]
 show_table([{"phase": phase, "collective": op, "calls in step 1": n, "per block": n / DEPTH}
             for phase, ops in comms.items() for op, n in ops.items()])
 tokens = (28 // 7) ** 2
 activation = BATCH * tokens * WIDTH * 4  # one [batch, tokens, width] tensor in fp32
 count = sum(n for ops in comms.values() for op, n in ops.items() if op == "all_reduce")
-seconds, how = all_reduce_seconds(m["tp"]["collectives"], activation)
+priced = m["tp"]["collectives_priced"]  # each kind of call of step 1, sent again on its group, timed
+show_table([{"mesh dimension": r["dim"], "group of rank 0": str(r["group"]),
+             "link": "across nodes" if r["inter_node"] else "inside a node", "collective": r["op"],
+             "dtype": r["dtype"], "MB": r["bytes"] / 1e6, "calls per step": r["calls"], "ms per call": r["seconds"] * 1e3,
+             "busbw GB/s": r["busbw_gbps"], "ms per step": r["seconds_per_step"] * 1e3} for r in priced],
+           floatfmt="{:.3g}")
+tp = m["tp"]["collectives_per_dimension"]["tp"]
+tp_seconds, link = tp["seconds"], "across nodes" if tp["inter_node"] else "inside one node"
 step_tp = m["tp"]["step_seconds"]
 step_one = m["one"]["flops_per_step"] / (m["one"]["hfu"] * m["one"]["matmul_peak_flops"])
 grads = 4 * params
@@ -180,14 +191,16 @@ md(f"Step 1 issued {sum(comms.get('forward', {}).values())} all_reduces in forwa
    f"(that input is a layer norm's output, whole on every rank; each rank's rows of the weight give a part of "
    f"its gradient). Each adds up "
    f"one activation [{BATCH}, {tokens}, {WIDTH}] of {activation / 1e6:.3f} MB: {count * activation / 1e6:.2f} MB "
-   f"per step in {count} calls. Timed from the all_reduces measured before training ({how}), that is about "
-   f"{count * seconds * 1e3:.1f} ms of the {step_tp * 1e3:.0f} ms a TP step took.\n\n"
+   f"per step in {count} calls. Each kind of call was sent again after training on the mesh's \"tp\" group "
+   f"({tp['ranks']} ranks, {link}) with the tensor the step sent ({priced[0]['bytes'] / 1e6:.3f} MB), and "
+   f"timed: {tp['calls']} calls take about {tp_seconds * 1e3:.1f} ms of the {step_tp * 1e3:.0f} ms a TP step "
+   f"took.\n\n"
    f"DDP over the same {NPROC} ranks would all_reduce the {grads / 1e6:.3f} MB of gradients once per step, "
    f"whatever the batch. TP sends {count * activation / grads:.1f}x those bytes here, and its all_reduces grow "
    f"with the batch (exercise 3); every one of them sits between two layers, so the rank waits for it. "
    f"A TP step took {step_tp * 1e3:.0f} ms and the one process's step {step_one * 1e3:.0f} ms "
    f"({step_tp / step_one:.2f}x, one run each)"
-   + (f". The all_reduces, priced above, account for about {min(1, count * seconds / (step_tp - step_one)):.0%} "
+   + (f". The all_reduces, priced above, account for about {min(1, tp_seconds / (step_tp - step_one)):.0%} "
       f"of the difference. This run does not break down the rest; two costs it does not time are likely part "
       f"of it: before every operation on a DTensor torch works out, in Python, how its inputs are cut and how "
       f"its output will be, a cost per operation that matters for matrix products as small as this model's; "

@@ -39,7 +39,7 @@ ROWS = NPROC // INNER
 WIDTH, DEPTH, HEADS, GLOBAL = 32, 2, 4, 32
 # the same weights, global batches, learning rate and gradient clip (at 0.5) in every run
 ARGS = ["--width", str(WIDTH), "--depth", str(DEPTH), "--heads", str(HEADS), "--precision", "fp32",
-        "--clip-grad-norm", "0.5", "--lr", "0.5", "--seed", "5", "--loader", "memory", "--sizes-mib", "0.25"]
+        "--clip-grad-norm", "0.5", "--lr", "0.5", "--seed", "5", "--loader", "memory"]
 # one GPU per rank, or every rank on the CPU (NCCL cannot put two ranks on one GPU)
 DEVICE = [] if gpu_count() >= NPROC else ["--device", "cpu"]
 RUN = run_dir("20_device_mesh_2d")
@@ -88,8 +88,8 @@ run_lesson("day4/20_device_mesh_2d.py", *SIZE, *DEVICE, *ARGS, "--batch-size", s
            "--nproc", str(NPROC), "--inner", str(INNER), "--run-dir", RUN / "fsdp-tp")
 run_lesson("day4/20_device_mesh_2d.py", *SIZE, *DEVICE, *ARGS, "--batch-size", str(GLOBAL // NPROC),
            "--layout", "hsdp", "--inner", str(INNER), "--run-dir", RUN / "hsdp", nproc=NPROC)
-run_lesson("day4/18_hardware_limits.py", *SIZE, *DEVICE, *ARGS, "--batch-size", str(GLOBAL),
-           "--run-dir", RUN / "one", nproc=1)
+run_lesson("day4/18_hardware_limits.py", *SIZE, *DEVICE, *ARGS, "--batch-size", str(GLOBAL), "--sizes-mib", "0.25",
+           "--run-dir", RUN / "one", nproc=1)  # one rank: its sweep sends nothing, one small size keeps it short
 
 # %% [markdown]
 # ## The same training
@@ -169,6 +169,36 @@ md(f"With {DEPTH} blocks: FSDP2 gathers each block and the root (embedding, posi
    f"between the rows. FSDP2 x TP has the same FSDP2 calls, over the columns, and TP's "
    f"{c['fsdp-tp']['forward'].get('all_reduce', 0)} + {c['fsdp-tp']['backward'].get('all_reduce', 0)} "
    f"all_reduces of activations inside each row, lesson 19's 2 + 2 per block.")
+
+# %% [markdown]
+# ## What each dimension's collectives cost a step
+#
+# After training each kind of call of step 1 was sent again on its own group, `mesh.get_group(dim)`: this
+# rank's row ("tp", "shard") or column ("dp", "replicate"), with the tensor the step sent, and timed (the
+# slowest rank's time per call, as lesson 18 times its sweep); times the calls per step, each dimension's
+# cost. "link" says whether the groups along a dimension stay inside one node (from the node names the ranks
+# gathered before training).
+
+# %%
+show_table([{"layout": LABELS[k], "dimension": r["dim"], "group of rank 0": str(r["group"]),
+             "link": "across nodes" if r["inter_node"] else "inside a node", "collective": r["op"],
+             "MB": r["bytes"] / 1e6, "calls per step": r["calls"], "ms per call": r["seconds"] * 1e3,
+             "busbw GB/s": r["busbw_gbps"], "ms per step": r["seconds_per_step"] * 1e3}
+            for k in ("fsdp-tp", "hsdp") for r in m[k]["collectives_priced"]], floatfmt="{:.3g}")
+dims = {k: m[k]["collectives_per_dimension"] for k in ("fsdp-tp", "hsdp")}
+said = {k: "; ".join(f"\"{dim}\" ({d['ranks']} ranks, {'across nodes' if d['inter_node'] else 'inside one node'}): "
+                     f"{d['calls']} calls, {d['bytes'] / 1e6:.3f} MB, {d['seconds'] * 1e3:.1f} ms"
+                     for dim, d in dims[k].items()) for k in dims}
+md(f"Per step, each dimension's collectives alone: FSDP2 x TP {said['fsdp-tp']} (a step took "
+   f"{m['fsdp-tp']['step_seconds'] * 1e3:.0f} ms); HSDP {said['hsdp']} (a step took "
+   f"{m['hsdp']['step_seconds'] * 1e3:.0f} ms). The groups are 2 ranks each, a row or a column of the "
+   f"{ROWS} x {INNER} mesh, not all {NPROC}: a collective over all ranks of a two-node job would run at the "
+   f"speed of the link between the nodes, whichever dimension sends it. Here every rank is on one machine, so "
+   f"every group is inside one node; on the course's two-node Slurm job, with a row per node, the \"tp\" and "
+   f"\"shard\" rows stay inside a node and the \"dp\" and \"replicate\" columns cross. Each time is what "
+   f"the calls cost alone: on a GPU FSDP2 runs its all_gathers and reduce_scatters (and HSDP's all_reduces) "
+   f"on CUDA streams of their own beside the compute, while TP's all_reduces sit between two layers, which "
+   f"wait for them.")
 
 # %% [markdown]
 # ## Try it yourself

@@ -46,9 +46,11 @@ RUN = run_dir("21_pipeline_parallel")
 # %% [markdown]
 # ## The plan: which stage holds what
 #
-# `pipeline_plan` in [`course/models.py`](../course/models.py) sits beside the model, as lesson 19's
-# tensor-parallel plan does: the ViT's definition does not change. Each rank builds only its stage, from
-# the ViT's parts drawn one at a time under the seed: no rank ever holds the whole model.
+# The lesson's worker writes the split (`plan`): consecutive blocks per stage, the embedding on the first, the
+# norm and the head on the last; the ViT's definition does not change. Each rank builds only its stages, from
+# the ViT's parts drawn one at a time in order under the seed: no rank ever holds the whole model, and together
+# the stages start from one process's weights. The same split, computed here by `pipeline_plan`
+# ([`course/models.py`](../course/models.py), which the course's benchmark builds its stages with):
 
 # %%
 from course.models import pipeline_plan
@@ -63,8 +65,9 @@ md(f"The second table is interleaved 1F1B on 2 ranks: 4 stages of one block, ran
 # ## What changed against lesson 19
 #
 # The tensor-parallel mesh and plan are gone, and with them lesson 19's measurement of the collectives:
-# each rank builds only its stage (`build_stages`, beside the model), wraps it in torch's `PipelineStage`
-# (`parallel.timed_stages` makes them, of a subclass which also adds up its compute's seconds) and runs the schedule's
+# each rank builds only its stages (the split, written in the worker), wraps each in torch's `PipelineStage`
+# (around the stage, two marks that time its chunks: `StageBook.wrap`, plain autograd functions and gradient
+# hooks) and runs the schedule's
 # `step` instead of the forward and backward calls: stage 0 gets the images, the last stage the labels, and
 # it returns the logits. As in lesson 19 every rank takes the same batches. The gradient clip adds the
 # stages' squared norms; every rank gathers the stages' weights to evaluate the whole model.
@@ -119,8 +122,8 @@ md(f"One process reached test accuracy {m['one']['test_accuracy']:.4f} after {m[
 # %% [markdown]
 # ## The bubble, measured
 #
-# Each rank adds up the seconds its stages computed (their `PipelineStage`'s forward and backward chunks)
-# and the seconds the schedule's `step` took; what is left is waiting. Step 1 is not timed (it also sends a
+# Each rank adds up the seconds its stages computed (each forward and backward chunk, timed between the marks
+# around the stage) and the seconds the schedule's `step` took; what is left is waiting. Step 1 is not timed (it also sends a
 # forward and backward pass through the stages to learn the activations' shapes), nor step 3 (its memory is
 # measured, and tracking every tensor slows the compute down); the table shows rank 0's median timed step.
 
@@ -208,6 +211,14 @@ md(f"The formula for interleaving v = 2 stages per rank is (p - 1) / (2m + p - 1
    + f"{bi['measured'] / bi['formula']:.2f}x its formula, where 1F1B was {b1['measured'] / b1['formula']:.2f}x. Each "
    f"chunk now computes half as long, while its sends and the schedule's own work per chunk stay the same: "
    f"per unit of compute, what the formula leaves out is twice as much.")
+
+# %% [markdown]
+# torch 2.14.1 ships three more schedules, `ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble` and
+# `ScheduleDualPipeV`: they split each backward into the input's gradient (which the stage before waits for)
+# and the weights' gradient (which nobody waits for) and fill the bubble with the latter. The lesson does not
+# run them: its simulated backward is one piece, and its marks cannot see the weights' half, which torch assigns
+# to `.grad` itself; the [model-parallel guide](../docs/learners/model-parallel.md#pipelines-stages-micro-batches-and-the-bubble-lesson-21)
+# says more.
 
 # %% [markdown]
 # ## Try it yourself
