@@ -21,10 +21,10 @@ with no memory behind any tensor and no other rank:
   real size in bytes, so the counts are the bytes a real run's tensors would have.
 Each layout is set up as its lesson sets it up: DDP as lesson 13, FSDP2 as lesson 15 (each block, then the
 root), TP as lesson 19 (its plan on every block: tensor_parallel_plan below), FSDP2 x TP and HSDP as
-lesson 20.  Two things the lessons do not do are built here: sequence parallelism (tp-sp: the layer norms
-and the residual stream cut along the sequence between the TP layers; `sequence_parallel_plan` below) and the
-GPT-like decoder (`Decoder`: course/models.py's Block with causal attention, token and position embeddings
-and an output layer; day 5's GPT will replace it).
+lesson 20, sequence parallelism (tp-sp) with the block plan of lessons 19 and 20's --sequence-parallel
+(`sequence_parallel_plan` below; the tokens gathered again before the final norm, which the lessons keep
+cut).  One thing the lessons do not have is built here: the GPT-like decoder (`Decoder`: course/models.py's
+Block with causal attention, token and position embeddings and an output layer; day 5's GPT will replace it).
 Pipelines: the fake process group's send and recv carry nothing, so each PipelineStage is given the shapes
 it receives and sends (torch 2.14.1 then skips the exchange of shapes between stages, which a fake group
 cannot carry), and torch's own schedule (GPipe or 1F1B) runs on the first stage (which holds the most

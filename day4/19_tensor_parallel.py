@@ -9,7 +9,7 @@ Lesson 18's loop with DDP replaced by tensor parallelism (TP):
   the model's layers instead: each of the T ranks holds 1/T of every attention and MLP matrix, computes
   1/T of each layer's output for the whole batch, and the ranks add their partial results up with
   all_reduces inside the forward and backward passes.  All ranks take the same batches (a sampler over one
-  replica), so T ranks train exactly what one process with that batch trains.
+  replica), so T ranks train what one process with that batch trains, up to float32 rounding.
 - A device mesh of T ranks in a row, named "tp" (`init_device_mesh`), and `parallelize_module` on each
   block with the plan written in the worker, Megatron-LM's pairs: qkv and mlp.0 column-wise (rank r keeps
   the r-th of T pieces of their output rows, weight and bias, and computes that part of their output from
@@ -64,9 +64,9 @@ Lesson 18's loop with DDP replaced by tensor parallelism (TP):
   (torch 2.14.1); bf16 needs no scaler.
 --batch-size is the global batch: every rank computes on all of it.  --heads must divide among the ranks,
 and with --sequence-parallel so must the tokens ((28 / --patch)^2).
-The diff against lesson 18 is longer than the course's usual 80 lines (scripts/lesson_diffs.py): the plan
-(with its sequence-parallel variant, and the meta-device build it cuts) and the collectives sent again on
-the "tp" group (`priced`) are this lesson's ideas, written here, not behind a helper.
+This lesson's diff against lesson 18 is longer than most: the plan (with its sequence-parallel variant, and
+the meta-device build it cuts) and the collectives sent again on the "tp" group (`priced`) are its ideas,
+written here rather than behind a helper.
 Tags: `# DDP:` what makes training data-parallel (none here); `# DIST:` any other torch.distributed line.
 """
 import sys

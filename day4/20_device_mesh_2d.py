@@ -46,12 +46,12 @@ dimension whose collectives run most often, the columns the one that can take a 
 - init_device_mesh creates a process group for every row and every column, and takes no timeout: a hang in
   one would wait torch's default (30 minutes with gloo, 10 with NCCL).  `backend_override` gives each
   dimension's groups options that carry --timeout (course/launching/devices.py, `mesh_timeouts`).
-- Both layouts train what one process trains with the global batch (tests/test_day4.py).  Evaluation runs
+- Both layouts train what one process trains with the global batch (notebook 20 compares the weights).  Evaluation runs
   the whole test set on every rank (a row's ranks must run the same forward).
 --inner must divide the world size; under fsdp-tp, --heads must divide among the --inner ranks (and with
 --sequence-parallel, which needs fsdp-tp, the tokens too).
-The diff against lesson 19 is longer than the course's usual 80 lines (scripts/lesson_diffs.py): lesson 19's
-plans are written again here (each lesson stands alone), and the clip follows the meshes the plans make.
+Lesson 19's plans are written again here (each lesson stands alone), and the clip follows the meshes the
+plans make.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import logging

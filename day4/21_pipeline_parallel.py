@@ -13,7 +13,8 @@ Lesson 19's loop with tensor parallelism replaced by pipeline parallelism (PP):
   batch and stage boundary.  So it also serves over the slower links between nodes.
 - Each rank builds only its stages (`Stage`, course/models.py: the ViT's forward over the parts it holds),
   from the ViT's parts drawn one at a time in order under the same seed: the stages together start from one
-  process's weights at that seed, and no rank holds the whole model.  Each becomes a torch `PipelineStage`,
+  process's weights at that seed, and no rank holds the whole model while training (evaluation gathers it,
+  below).  Each becomes a torch `PipelineStage`,
   which sends its outputs to stage i + 1's rank and receives their gradients.  What it wraps is the stage with
   two marks around it (course/measuring/parallel.py, `StageBook.wrap`: timing only, and --stage-ms).
 - While the last stage works on the whole batch the first stage could only wait: the batch is cut into m
@@ -47,9 +48,8 @@ Lesson 19's loop with tensor parallelism replaced by pipeline parallelism (PP):
   and 15); the last step's chunks, every rank's, go to metrics.json ("timeline") for the notebook's picture.
 --batch-size is the whole batch, cut into --microbatches micro-batches; every rank loads the same batches
 (stage 0 uses the images, the last stage the labels).
-Against lesson 19 this lesson changes about 115 lines, more than the course's usual 80: the stage split and
-torch's PipelineStage are its idea, so both are written here rather than in a helper; and lesson 19's
-tensor-parallel build (its plan, meta device and sequence parallelism) goes.
+The stage split and torch's PipelineStage are this lesson's idea: both are written here rather than in a
+helper.
 Tags: `# DDP:` what makes training data-parallel (none here); `# DIST:` any other torch.distributed line.
 """
 import sys

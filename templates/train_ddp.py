@@ -215,7 +215,9 @@ def worker(index, args):  # index: this rank's number when --nproc started it, e
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
         order = list(sampler)[state["batches_done"] * args.batch_size:]  # resumed mid-epoch: skip what was done
         batches = iter(DataLoader(dataset, batch_size=args.batch_size, sampler=order, num_workers=args.workers,
-                                  pin_memory=device.type == "cuda"))
+                                  pin_memory=device.type == "cuda",  # its own generator: making the iterator
+                                  generator=torch.Generator().manual_seed(args.seed + epoch)))  # draws no
+        # number from the random stream dropout uses, which a resumed run restores mid-epoch
         while state["batches_done"] < steps_per_epoch * args.accum and state["step"] < max_steps and not stopped:
             total, metric = torch.zeros((), device=device), torch.zeros((), device=device)
             for micro in range(args.accum):

@@ -230,6 +230,28 @@ def test_ddp_stopped_by_sigusr1_resumes_bit_for_bit(parity, tmp_path):
     assert losses(tmp_path / "run") == losses(work / "nproc4")
 
 
+def test_a_model_with_dropout_resumes_bit_for_bit_its_random_streams_restored(tmp_path):
+    """A copy of train_ddp.py whose model has dropout (each rank's masks drawn from its own random stream):
+    stopped by SIGUSR1 after a few steps and resumed, it ends with the weights of the same copy run
+    uninterrupted, bit for bit: the checkpoint restores every rank's random streams.  Without that restore
+    the resumed masks differ and so do the weights."""
+    folder = copy_alone(tmp_path / "copy", "train_ddp.py", changes={
+        "nn.Linear(args.hidden, args.hidden), nn.GELU(),": "nn.Linear(args.hidden, args.hidden), nn.GELU(), nn.Dropout(0.5),"})
+    common = ["--nproc", 2, *same_as_parity(2), "--log-every", 1]
+    whole = run([PYTHON, folder / "train_ddp.py", *common, "--run-dir", tmp_path / "whole"], cwd=tmp_path, env=ALONE)
+    assert whole.returncode == 0, whole.stdout
+    first = Running([PYTHON, folder / "train_ddp.py", *common, "--run-dir", tmp_path / "run"], tmp_path)
+    os.kill(int(first.wait_for(r"\[rank 1\] pid (\d+) ").group(1)), signal.SIGUSR1)  # rank 1 alone
+    code, out = first.finish()
+    assert code == 0, out
+    stop = int(re.search(r"stopped after step (\d+) \(signal\)", out).group(1))
+    assert 1 <= stop < STEPS, out
+    out = run([PYTHON, folder / "train_ddp.py", *common, "--run-dir", tmp_path / "run"], cwd=tmp_path, env=ALONE).stdout
+    assert "resuming from" in out, out
+    a, b = weights(tmp_path / "run"), weights(tmp_path / "whole")
+    assert all(torch.equal(a[k], b[k]) for k in a), largest_difference(a, b)
+
+
 def test_fsdp_stopped_by_sigusr1_resumes_at_another_world_size(parity, tmp_path):
     """train_fsdp.py on 4 ranks, SIGUSR1 to the launcher (`--nproc` passes it on); resumed by 2 ranks with the
     same global batch from the DCP checkpoint the 4 wrote: the weights of the uninterrupted 4-rank run and

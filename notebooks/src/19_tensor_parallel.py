@@ -142,23 +142,23 @@ md(f"After {m['tp']['steps']} steps the losses differ by at most {gap:.1e} (rela
 # Each rank counts its bytes from its tensors (`p.to_local()` for a DTensor) after training.
 
 # %%
-from course.measuring.memory import MB
+from course.measuring.memory import MB as MiB  # 2 ** 20 bytes
 
 params = sum(p.numel() for p in ViT(7, WIDTH, DEPTH, HEADS).parameters())
 replica = 3 * 4 * params  # parameters, gradients and SGD's momentum in fp32: what one process or a DDP rank holds
 per_rank = m["tp"]["per_rank_bytes"]
-show_table([{"rank": r, "cut parameters: its pieces MB": b["cut"] / MB, "of the whole MB": b["cut_whole"] / MB,
-             "share": b["cut"] / b["cut_whole"], "parameters + gradients + momentum MB": b["total"] / MB}
+show_table([{"rank": r, "cut parameters: its pieces MiB": b["cut"] / MiB, "of the whole MiB": b["cut_whole"] / MiB,
+             "share": b["cut"] / b["cut_whole"], "parameters + gradients + momentum MiB": b["total"] / MiB}
             for r, b in enumerate(per_rank)], floatfmt="{:.4g}")
 uncut = 4 * params - per_rank[0]["cut_whole"]
 fullest = max(b["total"] for b in per_rank)
 peaks = {k: m[k]["memory"]["peak_bytes"] for k in LABELS}
 md(f"Each rank holds **{max(b['cut'] / b['cut_whole'] for b in per_rank):.4f}** of the cut parameters "
-   f"(1/{NPROC} = {1 / NPROC:.4f}) and the whole of the rest ({uncut / MB:.3f} MB of parameters: embedding, "
+   f"(1/{NPROC} = {1 / NPROC:.4f}) and the whole of the rest ({uncut / MiB:.3f} MiB of parameters: embedding, "
    f"position, layer norms, classifier, the row-wise layers' biases). With gradients and momentum that is "
-   f"{fullest / MB:.3f} MB on the fullest rank against {replica / MB:.3f} MB for the one process "
-   f"({fullest / replica:.2f}x). Step 3's peak ({m['tp']['memory']['how']}) was {peaks['tp'] / MB:.2f} MB on "
-   f"a TP rank and {peaks['one'] / MB:.2f} MB for the one process ({peaks['tp'] / peaks['one']:.2f}x, not "
+   f"{fullest / MiB:.3f} MiB on the fullest rank against {replica / MiB:.3f} MiB for the one process "
+   f"({fullest / replica:.2f}x). Step 3's peak ({m['tp']['memory']['how']}) was {peaks['tp'] / MiB:.2f} MiB on "
+   f"a TP rank and {peaks['one'] / MiB:.2f} MiB for the one process ({peaks['tp'] / peaks['one']:.2f}x, not "
    f"1/{NPROC}): inside the attention and the MLP each rank holds 1/{NPROC} of the activations, but TP without "
    f"sequence parallelism leaves whole on every rank the blocks' inputs and outputs (the residual stream, "
    f"[batch, tokens, width]), the layer norms' inputs and outputs (and dropout's, in a model that has it), "
@@ -202,8 +202,9 @@ md(f"Step 1 issued {sum(comms.get('forward', {}).values())} all_reduces in forwa
    f"({step_tp / step_one:.2f}x, one run each)"
    + (f". The all_reduces, priced above, account for about {min(1, tp_seconds / (step_tp - step_one)):.0%} "
       f"of the difference. This run does not break down the rest; two costs it does not time are likely part "
-      f"of it: before every operation on a DTensor torch works out, in Python, how its inputs are cut and how "
-      f"its output will be, a cost per operation that matters for matrix products as small as this model's; "
+      f"of it: before every operation on a DTensor torch works out how its inputs are cut and how its output "
+      f"will be (in C++, from a cache after the operation's first call) and wraps the result in Python, a cost "
+      f"per operation that matters for matrix products as small as this model's; "
       f"and each rank multiplies matrices 1/{NPROC} as large, which uses the device less well. TP pays at "
       f"scale: where the global batch leaves data parallelism no more samples to split over more GPUs, or "
       f"FSDP2's calls over many ranks get small and dominated by their latency; inside a node, with a link as fast as "

@@ -141,7 +141,7 @@ ft, hs = m["fsdp-tp"]["per_rank_bytes"], m["hsdp"]["per_rank_bytes"]
 even = ft[0]["cut_share"] / ft[0]["cut_whole"]
 position = 4 * (28 // 7) ** 2 * WIDTH  # the position embedding, [1, tokens, width] in fp32
 md(f"All ranks of this notebook run on one machine, so every row is on the same node; under srun on two "
-   f"nodes the lesson prints each row's node (the course's Slurm test checks that a row is one node).\n\n"
+   f"nodes the lesson prints each row's node: check that each row is on one node.\n\n"
    f"Under HSDP each rank holds half of every parameter but one (below): **{min(b['cut'] for b in hs) / hs[0]['cut_whole']:.4f} "
    f"to {max(b['cut'] for b in hs) / hs[0]['cut_whole']:.4f}** of the model, the two ranks of a row the whole "
    f"model between them, and the rows the same. Under FSDP2 x TP the matrices TP cut are split over all "

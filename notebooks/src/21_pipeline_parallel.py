@@ -48,9 +48,9 @@ RUN = run_dir("21_pipeline_parallel")
 #
 # The lesson's worker writes the split (`plan`): consecutive blocks per stage, the embedding on the first, the
 # norm and the head on the last; the ViT's definition does not change. Each rank builds only its stages, from
-# the ViT's parts drawn one at a time in order under the seed: no rank ever holds the whole model, and together
-# the stages start from one process's weights. The same split, computed here by `pipeline_plan`
-# ([`course/models.py`](../course/models.py), which the course's benchmark builds its stages with):
+# the ViT's parts drawn one at a time in order under the seed: no rank holds the whole model while training
+# (evaluation gathers it, below), and together the stages start from one process's weights. The same split,
+# computed here by `pipeline_plan` ([`course/models.py`](../course/models.py)):
 
 # %%
 from course.models import pipeline_plan
@@ -213,9 +213,9 @@ md(f"The formula for interleaving v = 2 stages per rank is (p - 1) / (2m + p - 1
    f"per unit of compute, what the formula leaves out is twice as much.")
 
 # %% [markdown]
-# torch 2.14.1 ships three more schedules, `ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble` and
-# `ScheduleDualPipeV`: they split each backward into the input's gradient (which the stage before waits for)
-# and the weights' gradient (which nobody waits for) and fill the bubble with the latter. The lesson does not
+# torch 2.14.1 also ships three schedules that split the backward: `ScheduleInterleavedZeroBubble`,
+# `ScheduleZBVZeroBubble` and `ScheduleDualPipeV`. Each backward becomes the input's gradient (which the stage
+# before waits for) and the weights' gradient (which nobody waits for), and the latter fill the bubble. The lesson does not
 # run them: its simulated backward is one piece, and its marks cannot see the weights' half, which torch assigns
 # to `.grad` itself; the [model-parallel guide](../docs/learners/model-parallel.md#pipelines-stages-micro-batches-and-the-bubble-lesson-21)
 # says more.
