@@ -40,6 +40,7 @@ each GPU free (default 10%).
 """
 import argparse
 import contextlib
+import datetime
 import json
 import logging
 import math
@@ -68,6 +69,8 @@ WHAT = {"ddp": "DDP: a whole replica on every rank (lesson 13)",
         "tp-sp": "TP with sequence parallelism inside a node, FSDP2 across",
         "pp": "a pipeline of stages across nodes (lesson 21), each stage FSDP2-sharded over its data-parallel ranks"}
 PREFERENCE = ("ddp", "hsdp", "fsdp", "tp", "tp-sp", "pp")  # fewest and cheapest collectives first
+
+FAKE_TIMEOUT = datetime.timedelta(minutes=5)  # the fake group's collectives return at once: nothing waits
 
 
 @dataclass(frozen=True)
@@ -467,7 +470,8 @@ def estimate(spec: Spec, layout: Layout) -> Estimate:
             if layout.name == "pp":
                 stages = {}
                 for stage in sorted({0, layout.pp - 1}):  # the first holds the most micro-batches, the last the head
-                    dist.init_process_group("fake", store=FakeStore(), rank=stage * layout.dp, world_size=layout.world)
+                    dist.init_process_group("fake", store=FakeStore(), rank=stage * layout.dp, world_size=layout.world,
+                                            timeout=FAKE_TIMEOUT)
                     stages[stage] = _run_pipeline(spec, layout, stage)
                     dist.destroy_process_group()
                 got = max(stages.values(), key=lambda r: r["peak_bytes"])
@@ -475,7 +479,7 @@ def estimate(spec: Spec, layout: Layout) -> Estimate:
                         f"its own (the fake process group's send and recv carry nothing: each stage is given the "
                         f"shapes it receives and sends); the table shows the larger")
             else:
-                dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world)
+                dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world, timeout=FAKE_TIMEOUT)
                 got, note = _run(spec, layout), ""
                 stages = {}
     finally:

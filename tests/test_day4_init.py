@@ -99,7 +99,7 @@ class Recorded:
                    "INITIAL_WEIGHTS": str(files["initial"]), "CLIP_CALLS": str(files["clips"])}
             lesson(script, *COMMON, *extra, "--run-dir", self.root / name, env=env, timeout=600)
             self.done[name] = {"run_dir": self.root / name, "builds": files["builds"].read_text().split(),
-                               "initial": torch.load(files["initial"]),
+                               "initial": torch.load(files["initial"], weights_only=True),
                                "clips": files["clips"].read_text().split() if files["clips"].exists() else []}
         return self.done[name]
 

