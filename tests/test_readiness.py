@@ -157,7 +157,7 @@ def simulated(tmp_path_factory, dataset):
         started[case] = rank_steps(dirs[case], data, **cluster)
     for case, procs in started.items():
         for proc in procs:
-            out, _ = proc.communicate(timeout=120)
+            out, _ = proc.communicate(timeout=300)  # a hang guard: 4 ranks under the suite's load
             assert proc.returncode == 0, (case, out)
         per_node = CASES[case].get("per_node", 2)
         gpus = CASES[case].get("gpu", H100) is not None
