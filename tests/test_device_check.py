@@ -57,6 +57,8 @@ RUNS = {
     "20": ("day4/20_device_mesh_2d.py", (*DAY4, "--nproc", "2"), "self"),  # a 1 x 2 mesh
     "21": ("day4/21_pipeline_parallel.py", (*VIT, "--batch-size", "32", "--max-steps", "2", "--heads", "2",
                                             "--schedule", "1f1b", "--microbatches", "4", "--nproc", "2"), "self"),
+    "22": ("day5/22_gpt_pretraining.py", ("--max-steps", "2", "--width", "32", "--hidden", "64", "--seq-len", "32",
+                                          "--sample-tokens", "5", "--layout", "fsdp-tp", "--nproc", "2"), "self"),
 }
 
 
@@ -98,6 +100,7 @@ def test_every_tensor_a_lesson_hands_to_a_collective_carries_the_rank_device(che
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, groups", [("20", {"default_pg", "mesh_dp"}),  # mesh_tp: the default's ranks
+                                          ("22", {"default_pg", "mesh_dp"}),  # a 1 x 2 mesh, as lesson 20's
                                           ("16 resumed", {"default_pg", "undefined"})])  # undefined: the saver's
 def test_every_group_a_lesson_creates_waits_its_timeout(checked, name, groups):
     proc, timeouts = checked(name)

@@ -1,6 +1,6 @@
 """docs/lessons.toml, the lesson catalog, against the repository and the documents made from it.
 
-- every lesson script (day1/ to day4/, data_tools/create_mnist_h5.py) has exactly one entry, and every entry
+- every lesson script (day1/ to day5/, data_tools/create_mnist_h5.py) has exactly one entry, and every entry
   names a script, notebook and launcher that exist;
 - the instructor guide's timetables list each day's lessons with the catalog's titles and minutes, their
   clock times add up, and the per-day sums the guide quotes are the catalog's;
@@ -37,7 +37,7 @@ def catalog(path=CATALOG):
 
 
 def lesson_scripts(repo=REPO):
-    scripts = sorted(p.relative_to(repo).as_posix() for day in ("day1", "day2", "day3", "day4") for p in (repo / day).glob("*.py"))
+    scripts = sorted(p.relative_to(repo).as_posix() for day in ("day1", "day2", "day3", "day4", "day5") for p in (repo / day).glob("*.py"))
     return scripts + ["data_tools/create_mnist_h5.py"]
 
 
@@ -149,7 +149,7 @@ def test_every_lesson_script_has_exactly_one_entry():
 
 def test_entries_are_complete_and_their_paths_exist():
     for entry in catalog():
-        assert entry["day"] in (1, 2, 3, 4), entry["id"]
+        assert entry["day"] in (1, 2, 3, 4, 5), entry["id"]
         assert entry["title"] and entry["idea"] and entry["minutes"] > 0, entry["id"]
         assert 2 <= len(entry["objectives"]) <= 4, entry["id"]
         assert all(o.startswith("After this lesson you can ") for o in entry["objectives"]), entry["id"]

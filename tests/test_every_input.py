@@ -19,7 +19,7 @@ import pytest
 
 from conftest import REPO, help_texts_of
 
-LESSONS = sorted(str(p.relative_to(REPO)) for d in ("day1", "day2", "day3", "day4") for p in (REPO / d).glob("*.py"))
+LESSONS = sorted(str(p.relative_to(REPO)) for d in ("day1", "day2", "day3", "day4", "day5") for p in (REPO / d).glob("*.py"))
 USAGE_OPTION = re.compile(r"\[(--[\w-]+)(?: ([A-Z_]+|\{[^}]*\}))?\]")
 
 # Bad values of every option that takes one (flags take none; a choice is checked by argparse, and each gets
@@ -60,6 +60,10 @@ BAD_OPTION_VALUES = {
     "--inner": ["0", "x", "3"],  # 3 does not divide lesson 20's 4 ranks into rows
     "--microbatches": ["0", "x", "7"],  # 7 does not split lesson 21's default batch of 64 evenly
     "--stage-ms": ["-1", "x", "nan"],
+    "--text-dir": ["MISSING", "FILE"],
+    "--hidden": ["0", "x"], "--seq-len": ["0", "x", "1000000"],  # a million bytes: more than the held-out text
+    "--eval-rows": ["0", "x"], "--sample-tokens": ["-1", "x"], "--temperature": ["0", "x"],
+    "--prompt": [""],
 }
 # Options that are used only with another one: the bad value is given with it.
 OPTION_NEEDS = {"--log-dir": [("--profile",)], "--watch-interval": [("--watch-hardware",)],

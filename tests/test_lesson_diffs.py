@@ -51,7 +51,7 @@ def test_help_says_what_is_counted_and_bad_input_is_one_line():
     assert proc.returncode == 2 and "must be 0 or more" in proc.stderr
 
 
-LESSONS = [p for day in ("day1", "day2", "day3", "day4") for p in sorted((REPO / day).glob("[0-9]*.py"))] + \
+LESSONS = [p for day in ("day1", "day2", "day3", "day4", "day5") for p in sorted((REPO / day).glob("[0-9]*.py"))] + \
     [REPO / "day1" / "test-profile.py"]
 TAG = re.compile(r"# (DDP|DIST):")
 DISTRIBUTED = re.compile(r"\bdist\.(?!destroy_process_group|get_backend|ReduceOp)\w+\(|\bDDP\(|DistributedSampler\(|"
@@ -100,6 +100,8 @@ TAUGHT = {
     "day4/19_tensor_parallel.py": {"parallelize_module", "ColwiseParallel", "RowwiseParallel", "init_device_mesh"},
     "day4/20_device_mesh_2d.py": {"parallelize_module", "fully_shard", "init_device_mesh"},
     "day4/21_pipeline_parallel.py": {"PipelineStage", "step"},  # the stage, and the schedule's step
+    "day5/22_gpt_pretraining.py": {"fully_shard", "parallelize_module", "SequenceParallel", "PrepareModuleInput",
+                                   "cross_entropy"},
 }
 
 

@@ -33,19 +33,20 @@ def test_each_day_has_the_allocations_its_lessons_need():
     assert shapes[2] == [(2, 2, ("9", "10", "create_mnist_h5", "11", "12"))]
     assert shapes[3] == [(1, 4, ("13", "14", "15", "16", "17"))]
     assert shapes[4] == [(1, 4, ("18", "19")), (2, 2, ("20", "21"))]  # tensor parallelism inside a node
+    assert shapes[5] == [(2, 2, ("22",))]  # a row of lesson 22's mesh per node
 
 
 def test_a_class_of_30_on_nodes_of_4_gpus():
     # days 1 and 3 and lessons 18-19: a node each; day 2 and lessons 20-21: 2 x 2 ranks, 2 learners per node pair
-    assert nodes(learners=30, gpus_per_node=4) == {1: 30, 2: 30, 3: 30, 4: 30}
-    assert nodes(learners=30, gpus_per_node=4, pairs=True) == {1: 30, 2: 16, 3: 15, 4: 16}
-    assert nodes(learners=30, gpus_per_node=4, exclusive=True) == {1: 30, 2: 60, 3: 30, 4: 60}
-    assert nodes(learners=30, gpus_per_node=8) == {1: 15, 2: 16, 3: 15, 4: 16}
+    assert nodes(learners=30, gpus_per_node=4) == {1: 30, 2: 30, 3: 30, 4: 30, 5: 30}
+    assert nodes(learners=30, gpus_per_node=4, pairs=True) == {1: 30, 2: 16, 3: 15, 4: 16, 5: 16}
+    assert nodes(learners=30, gpus_per_node=4, exclusive=True) == {1: 30, 2: 60, 3: 30, 4: 60, 5: 60}
+    assert nodes(learners=30, gpus_per_node=8) == {1: 15, 2: 16, 3: 15, 4: 16, 5: 16}
 
 
 def test_smaller_nodes_run_fewer_ranks_and_cpu_clusters_count_cores():
-    assert nodes(learners=5, gpus_per_node=2) == {1: 5, 2: 10, 3: 5, 4: 10}  # 2 ranks per node, never more
-    assert nodes(learners=30, cpus_per_node=128) == {1: 2, 2: 2, 3: 2, 4: 2}  # 64 ranks of 2 cores per node
+    assert nodes(learners=5, gpus_per_node=2) == {1: 5, 2: 10, 3: 5, 4: 10, 5: 10}  # 2 ranks per node, never more
+    assert nodes(learners=30, cpus_per_node=128) == {1: 2, 2: 2, 3: 2, 4: 2, 5: 2}  # 64 ranks of 2 cores per node
 
 
 def test_the_command_prints_the_reservation_and_each_days_salloc_line():

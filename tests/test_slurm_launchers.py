@@ -44,9 +44,9 @@ def is_day2(launcher: Path) -> bool:
 
 
 def two_nodes(launcher: Path) -> bool:
-    """Day 2's launchers, lesson 20's (one row of its 2-D mesh per node) and lesson 21's (its stages in order
-    over both nodes)."""
-    return is_day2(launcher) or launcher.stem in ("20_device_mesh_2d", "21_pipeline_parallel")
+    """Day 2's launchers, lesson 20's and 22's (one row of the 2-D mesh per node) and lesson 21's (its stages in
+    order over both nodes)."""
+    return is_day2(launcher) or launcher.stem in ("20_device_mesh_2d", "21_pipeline_parallel", "22_gpt_pretraining")
 
 
 def sbatch_lines(launcher: Path) -> list[str]:
@@ -455,6 +455,8 @@ RUNS = {
     "20_device_mesh_2d": SMALL + ["--max-steps", "6"],
     # 2 nodes x 2 ranks: 4 stages of one block each, 1F1B over 8 micro-batches of 8
     "21_pipeline_parallel": SMALL + ["--max-steps", "6"],
+    # 2 nodes x 2 ranks: TP with sequence parallelism inside each node, FSDP2 across; a smaller GPT, 6 steps
+    "22_gpt_pretraining": ["--max-steps", "6", "--width", "32", "--hidden", "64", "--sample-tokens", "20"],
     "12_ddp_fault_tolerance": SMALL,
     "11_mnist_ddp_pt_multinode_streaming": SMALL,
     "10_mnist_ddp_pt_multinode": SMALL,
@@ -659,6 +661,17 @@ def check_21_pipeline_parallel(log, work):
     assert re.search(r"\[rank 3\] on node2, stage 3 of 4 \(blocks.3, norm, head\)", log), log
     assert "4 pipeline ranks, 4 stages, batch 64 in 8 micro-batches, 1f1b, fp32: test accuracy" in log
     assert (work / "runs/21_pipeline_parallel/model.pt").stat().st_size > 0
+
+
+def check_22_gpt_pretraining(log, work):
+    assert "+ srun --kill-on-bad-exit=1" in log and "22_gpt_pretraining.py --layout fsdp-tp --inner 2 --max-steps 6" in log
+    assert "mesh 2 x 2 (dp, tp): rows (the 'tp' groups) [0, 1] on node1; [2, 3] on node2: each row inside one node" \
+        in log, log
+    m = json.loads((work / "runs/22_gpt_pretraining/metrics.json").read_text())
+    assert (m["world_size"], m["inner"], m["replicas"], m["steps"]) == (4, 2, 2, 6)
+    assert m["mesh"]["spans_nodes"] == {"dp": True, "tp": False}
+    assert re.search(r"held-out loss \d\.\d+ nats per byte after 6 steps", log) and "sample: 'The " in log
+    assert (work / "runs/22_gpt_pretraining/model.pt").stat().st_size > 0
 
 
 def check_create_mnist_h5(log, work):

@@ -1,6 +1,6 @@
 """Every "Try it yourself" item of a notebook has a solution section in solutions/<notebook>.md, in the same
 order, and every solution section has a check: one per exercise, in tests/test_solutions_day1.py (lessons
-0-8), _day2.py (9-12 and create_mnist_h5), _day3.py (13-17) and _day4.py (18-19), four files so that the
+0-8), _day2.py (9-12 and create_mnist_h5), _day3.py (13-17), _day4.py (18-21) and _day5.py (22), five files so that the
 test workers can run them side by side.  Each check runs the section's commands as written
 (tests/solutions_check.py) and checks what the solution says the learner should see.  Solutions that need a
 GPU node or a real cluster are skipped with that reason.  Quick sizes throughout; the costly ones are marked
@@ -10,6 +10,7 @@ import test_solutions_day1  # noqa: F401  (their checks register themselves in C
 import test_solutions_day2  # noqa: F401
 import test_solutions_day3  # noqa: F401
 import test_solutions_day4  # noqa: F401
+import test_solutions_day5  # noqa: F401
 from solutions_check import CHECKED, SOLUTIONS, exercises_in_notebook, notebooks_with_exercises, sections
 
 
