@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     for day, (nodes, how) in days.items():
         print(f"  day {day}: {nodes:3d} nodes at once  ({how})")
         for a in allocs[day]:
-            print(f"         lesson{'s' if len(a.lessons) > 1 else ''} {', '.join(a.lessons)}: {a.salloc(slots, bool(args.gpus_per_node))}")
+            print(f"         lessons {', '.join(a.lessons)}: {a.salloc(slots, bool(args.gpus_per_node))}")
     print(f"reserve {max(n for n, _ in days.values())} nodes for the hands-on hours, plus one for the trainer")
     print("Each learner's salloc line also takes --reservation=<its name>, --time and the site's options;"
           " `slurm/submit.sh --interactive LESSON --site NAME` adds the profile's.")

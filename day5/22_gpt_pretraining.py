@@ -9,13 +9,13 @@ Lesson 20's loop, on a language model instead of a ViT.  What changes:
   own documentation topics (`help()`'s texts: 79 documents, ~467 000 bytes), or --corpus python-stdlib (the
   standard library's sources, ~11 MB), or your files (--text-dir).  A token is a byte (a vocabulary of 256);
   byte 0 ends each document.  The documents are laid end to end and cut into rows of --seq-len + 1 tokens;
-  a row's first --seq-len tokens are the input, the same shifted by one the targets.  A DataLoader over a
+  a row's first --seq-len tokens are the input, its last --seq-len (shifted by one) the targets.  A DataLoader over a
   DistributedSampler hands each data-parallel replica its rows, as for images.
-- The model (course/models.py, GPT) is decoder-only, laid out and named as Hugging Face's Llama: causal
+- The model (course/gpt.py, GPT) is decoder-only, laid out and named as Hugging Face's Llama: causal
   self-attention with rotary positions, a gated MLP, RMSNorm.  Its output is a score for every vocabulary
   entry at every position, and the loss is the cross-entropy of each position's next token, averaged over all
   the batch's tokens: every token is a training example.
-- Two layouts, built on the meta device (no rank ever holds the whole model; lesson 20):
+- Two layouts, built on the meta device (no rank holds the whole model to train it; lesson 20):
   fsdp: `fully_shard` each decoder block, then the rest, over all ranks (lesson 15); every rank its own rows.
   fsdp-tp: a (dp, tp) mesh of rows of --inner ranks; in each row torchtitan's plan for Llama with sequence
   parallelism (lesson 19): the embedding's rows cut by vocabulary (RowwiseParallel) and its output cut along
@@ -28,10 +28,13 @@ Lesson 20's loop, on a language model instead of a ViT.  What changes:
 - Throughput in tokens: tokens/s per rank (all tokens a step trained, over the step's time and the ranks) and
   MFU as torchtitan computes it: tokens/s per rank x FLOPs per token / the device's peak, where FLOPs per token
   = 6 x the parameters outside the embedding + 12 x depth x width x seq-len (attention's two matmuls, forward
-  and backward, counted over the whole sequence).  The peak is a GPU's datasheet bf16 number, on a CPU a matmul
-  timed here (course/measuring/hardware.py, model_peak_flops): an MFU on the CPU is not comparable with a GPU's.
+  and backward, counted over the whole sequence, as if no position were masked: a causal kernel computes about
+  half of it).  The peak is a GPU's datasheet bf16 number, on a CPU a matmul
+  timed here (course/measuring/throughput.py, model_peak_flops; also for fp32 on a GPU, whose peak is not the
+  datasheet's bf16 one): an MFU on the CPU is not comparable with a GPU's.
 - The loss of each step, the held-out loss, tokens/s in TensorBoard (--run-dir/tensorboard); at the end the
-  weights gathered whole (get_model_state_dict, as lesson 20 does), and rank 0 writes them and samples text
+  weights gathered whole (get_model_state_dict, as lesson 20 does), and rank 0 builds the model whole from them
+  (the only time a rank does), writes them and samples text
   from them: --prompt, continued by --sample-tokens bytes, each drawn from the model's next-token
   probabilities (with --temperature).
 --batch-size is rows per data-parallel replica; the global batch is replicas x --batch-size rows of --seq-len
@@ -66,11 +69,10 @@ from torch.utils.tensorboard import SummaryWriter
 
 from course.launching import cli
 from course.launching.launch import backend_for, launch, mesh_timeouts, setup_device
-from course.measuring import hardware, memory, parallel
-from course.models import GPT, add_gpt_args, check_gpt_args, gpt_sizes
+from course.gpt import GPT, add_gpt_args, check_gpt_args, gpt_sizes, init_gpt_shards
+from course.measuring import hardware, memory, parallel, throughput
 from course.training.output import plot_curves, rank_print, save_weights, write_json
 from course.training.precision import DTYPES
-from course.training.sharded_init import init_gpt_shards
 from data_tools import text
 
 # fsdp-tp: the head's logits, gathered whole by its plan, are a view, which FSDP2 warns about once per rank; the
@@ -82,18 +84,19 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 
 BLOCK_PLAN = {  # DIST: torchtitan's tensor-parallel plan for a Llama block, with sequence parallelism
     "input_layernorm": SequenceParallel(),  # DIST: the norm on this rank's piece of the tokens
-    "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),  # all_gather
+    # DIST: before attention, one all_gather of the tokens (q, k and v all read them)
+    "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
     "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),  # DIST: my heads' rows
-    "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),  # DIST: and of v
     "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),  # DIST: partial sums -> reduce_scatter on tokens
-    "post_attention_layernorm": SequenceParallel(),
+    "post_attention_layernorm": SequenceParallel(),  # DIST: the second norm, on my piece of the tokens
     "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),  # DIST: all_gather
     "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),  # DIST: my hidden features
     "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),  # DIST: partial sums -> reduce_scatter on tokens
 }
 OUTER_PLAN = {  # DIST: the embedding, the final norm and the head
     "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),  # DIST: vocab rows
-    "model.norm": SequenceParallel(),
+    "model.norm": SequenceParallel(),  # DIST: the final norm, on my piece of the tokens
     "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),  # DIST: vocab cut, logits whole
 }
 
@@ -112,7 +115,8 @@ def held_out_loss(model, rows, args, device) -> float:
     total, count = torch.zeros((), device=device), 0
     end = min(len(rows), args.eval_rows)
     for start in range(0, end, args.batch_size):
-        x, y = (torch.stack(t).to(device) for t in zip(*(rows[i] for i in range(start, min(start + args.batch_size, end)))))
+        batch = [rows[i] for i in range(start, min(start + args.batch_size, end))]
+        x, y = (torch.stack(t).to(device) for t in zip(*batch))
         logits = model(x)
         total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
         count += y.numel()
@@ -142,7 +146,7 @@ def worker(info, args):
     train_rows, held_rows, corpus = text.load(args.corpus, args.text_dir, args.seq_len)
 
     inner, mesh_nodes = (args.inner if args.layout == "fsdp-tp" and world_size > 1 else 1), None
-    with torch.device("meta"):  # DIST: shapes only, no memory: no rank ever builds the whole model
+    with torch.device("meta"):  # DIST: shapes only, no memory: no rank builds the whole model to train it
         model = GPT(**gpt_sizes(args))
     params = sum(p.numel() for p in model.parameters())  # the whole model's, counted before it is cut
     embedding = model.model.embed_tokens.weight.numel()
@@ -175,7 +179,9 @@ def worker(info, args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     dtype = DTYPES[args.precision]
     peak = memory.StepPeak(model, optimizer, device)  # step 3's bytes: held as it begins, most during it
-    peak_flops, peak_from = hardware.model_peak_flops(device, dtype)
+    if args.compile and device.type != "cuda":  # the compiled blocks' CPU kernels allocate where it cannot see
+        peak.unmeasurable = "torch.compile's CPU kernels"
+    peak_flops, peak_from = throughput.model_peak_flops(device, dtype)
     per_token = flops_per_token(params, embedding, args)
 
     sampler = DistributedSampler(train_rows, num_replicas=replicas, rank=replica,  # DDP: a share per replica
@@ -206,7 +212,8 @@ def worker(info, args):
             step += 1
             if writer:
                 writer.add_scalar("train/loss", reported.item(), step)
-                writer.add_scalar("train/grad_norm", float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm), step)
+                whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor when sharded
+                writer.add_scalar("train/grad_norm", whole.item(), step)
             if step == args.max_steps:
                 break
         epoch += 1
@@ -230,7 +237,8 @@ def worker(info, args):
         write_json(run / "metrics.json", {
             "lesson": "22_gpt_pretraining", "layout": args.layout if world_size > 1 else "one process",
             "corpus": corpus, "world_size": world_size, "backend": dist.get_backend(), "inner": inner,
-            "replicas": replicas, "mesh": mesh_nodes, "precision": args.precision, "seq_len": args.seq_len, "batch_size": args.batch_size,
+            "replicas": replicas, "mesh": mesh_nodes, "precision": args.precision, "seq_len": args.seq_len,
+            "batch_size": args.batch_size,
             "global_batch_rows": replicas * args.batch_size, "tokens_per_step": global_tokens, "lr": args.lr,
             "parameters": params, "embedding_parameters": embedding, "flops_per_token": per_token,
             "steps": step, "train_seconds": seconds, "step_seconds": step_seconds / timed_steps,
@@ -248,6 +256,7 @@ def worker(info, args):
 
 def build_parser():
     p = cli.add_distributed(cli.parser(__doc__, "day5/22_gpt_pretraining.py", data=False, nproc_default=2))
+    p.set_defaults(train_samples=None)  # read by the image lessons' --quick in cli.parse; this --quick is check()'s
     p.add_argument("--corpus", default="python-docs", choices=text.CORPORA,
                    help="python-docs: Python's documentation topics; python-stdlib: the standard library's sources")
     p.add_argument("--text-dir", type=Path, default=None,
@@ -271,7 +280,7 @@ def build_parser():
     p.add_argument("--seed", type=int, default=0, help="one seed for weights, shuffling and sampling")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: one GPU per rank when CUDA is available, else the CPU")
-    p.add_argument("--quick", action="store_true", help="laptop/test mode: 40 steps, a 60-byte sample")
+    p.add_argument("--quick", action="store_true", help="laptop mode: 40 steps, a 60-byte sample")
     return add_gpt_args(p)
 
 

@@ -26,7 +26,7 @@ LARGER = {
     (18, 19): (135, "the TP plan (with its sequence-parallel variant and the meta-device build) and the collectives "
                     "priced on the mesh's own group (the calls) are the lesson: both written in it"),
     (19, 20): (90, "lesson 19's plans written again (lessons stand alone), and the clip that follows the meshes"),
-    (20, 22): (320, "a new day: text in place of images, a language model's loss, tokens/s and MFU, sampling, and "
+    (20, 22): (330, "a new day: text in place of images, a language model's loss, tokens/s and MFU, sampling, and "
                   "the plan for a whole Llama (embedding, head, sequence parallelism) all change at once"),
 }
 

@@ -26,7 +26,7 @@ import torch
 import reference_runs
 from catalogue import Runs
 from conftest import PYTHON, REPO, metrics, run
-from course.models import GPT
+from course.gpt import GPT
 from course.training.output import load_weights
 from data_tools import text
 

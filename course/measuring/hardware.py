@@ -138,30 +138,3 @@ def report(rows: list, flops: int, formula: float, peak: float, hfu: float, grad
     print(f"DDP all_reduces {gradient_bytes / 1e6:.3f} MB of gradients per step: {how}, about "
           f"{seconds * 1e3:.1f} ms alone, at most that of a training step's {step_seconds * 1e3:.1f} ms (DDP "
           f"overlaps it with the backward pass)", flush=True)
-
-
-# Datasheet peaks, dense bf16 tensor-core FLOP/s (no sparsity), the numbers torchtitan's MFU divides by
-# (torchtitan/tools/utils.py, get_peak_flops); the first name found in torch.cuda.get_device_name() wins.
-DATASHEET_BF16 = (("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("GH200", 989e12),
-                  ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10", 125e12),
-                  ("MI300X", 1307e12), ("MI250X", 383e12))
-
-
-def model_peak_flops(device, dtype) -> tuple:
-    """(FLOP/s, where the number comes from) for MFU: on a GPU named in DATASHEET_BF16 its datasheet's dense
-    bf16 peak, as torchtitan takes it; elsewhere (a CPU, an unlisted GPU) no datasheet is at hand, so a square
-    matmul in the run's dtype is timed here, lesson 18's measured peak (an MFU against it reads higher than one
-    against a datasheet)."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, flops in DATASHEET_BF16:
-            if key in name:
-                return flops, f"the {key} datasheet's dense bf16 peak"
-    side = 8192 if device.type == "cuda" else 1024
-    a = torch.randn(side, side, device=device, dtype=dtype)
-    a @ a  # untimed: the first call pays for kernel choice
-    start = clock(device)
-    for _ in range(3):
-        a @ a
-    seconds = (clock(device) - start) / 3
-    return 2 * side ** 3 / seconds, f"a {side} x {side} {str(dtype).removeprefix('torch.')} matmul timed on this {device.type}"

@@ -200,8 +200,7 @@ class StepPeak:
     def __init__(self, model, optimizer, device, at: int = 3):
         self.model, self.optimizer, self.device, self.at = model, optimizer, device, at
         self.steps, self.tracker, self.measured = 0, None, None
-        compiled = hasattr(model, "_orig_mod") or any(  # torch.compile's wrapper, or a module.compile() inside
-            getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+        compiled = hasattr(model, "_orig_mod")  # torch.compile's wrapper
         self.unmeasurable = "torch.compile's CPU kernels" if compiled and device.type != "cuda" else ""
         # a pipeline rank's stages (lesson 21) are an nn.ModuleList, never called itself: its first stage begins a step
         begins = model[0] if isinstance(model, torch.nn.ModuleList) else model

@@ -1,10 +1,10 @@
-"""Initial weights for a model sharded or cut while it was still on the meta device (lessons 15, 16, 19, 20, 22).
+"""Initial weights for a model sharded or cut while it was still on the meta device (lessons 15, 16, 19, 20).
 
 `fully_shard` (or `parallelize_module`, or both) on a model built under `torch.device("meta")` gives every
 parameter its shape and its placements but no memory; `model.to_empty(device=...)` then allocates this rank's
 shards (and, whole, the parameters tensor parallelism leaves plain), uninitialized.
-What goes into them here: the weights the same seed gives an unsharded ViT (lesson 13's) or GPT (day 5's), made
-on the CPU one part at a time in the order the model's constructor makes them (course.models.vit_parts, gpt_parts), so that the
+What goes into them here: the weights the same seed gives an unsharded ViT (lesson 13's), made on the CPU
+one part at a time in the order the ViT's constructor makes them (course.models.vit_parts), so that the
 random numbers come out in the same order.  Each rank keeps its own rows of each part and drops the rest:
 no rank holds more than one block whole, and nothing is sent between ranks.
 
@@ -18,25 +18,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from course.models import gpt_parts, gpt_sizes, vit_parts
-
-
-def init_vit_shards(model: nn.Module, args, seed: int) -> None:
-    """Fill `model`'s shards (after to_empty) with the initial weights of model_from_args(args, seed)."""
-    init_shards(model, vit_parts(args.patch, args.width, args.depth, args.heads), seed)
-
-
-def init_gpt_shards(model: nn.Module, args, seed: int) -> None:
-    """The same for day 5's GPT: the weights of GPT(**gpt_sizes(args)) built under `seed`."""
-    init_shards(model, gpt_parts(**gpt_sizes(args)), seed)
+from course.models import vit_parts
 
 
 @torch.no_grad()
-def init_shards(model: nn.Module, parts, seed: int) -> None:
-    """Each part, drawn in order under `seed` (as the whole model's constructor draws them), cut to this rank's
-    pieces of `model`'s parameters.  `parts` is a generator: it draws a part's numbers when asked for it."""
-    torch.manual_seed(seed)  # as course.models.model_from_args does before building the whole model
-    for name, part in parts:
+def init_vit_shards(model: nn.Module, args, seed: int) -> None:
+    """Fill `model`'s shards (after to_empty) with the initial weights of model_from_args(args, seed)."""
+    torch.manual_seed(seed)  # as course.models.model_from_args does before building the whole ViT
+    for name, part in vit_parts(args.patch, args.width, args.depth, args.heads):
         tensors = {name: part} if isinstance(part, nn.Parameter) else \
             {f"{name}.{key}": value for key, value in part.state_dict().items()}
         for key, whole in tensors.items():

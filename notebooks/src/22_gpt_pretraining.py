@@ -13,9 +13,9 @@
 #   (`--text-dir`). A **token is a byte**: the vocabulary is 256, nothing is trained to tokenize. Byte 0 ends
 #   each document.
 # - **Packing**: the documents are laid end to end and cut into rows of `--seq-len` + 1 tokens; a row's first
-#   `--seq-len` tokens are the input, the same moved on by one the targets. **Every position is a training
+#   `--seq-len` tokens are the input, its last `--seq-len` (shifted by one) the targets. **Every position is a training
 #   example**: the loss is the cross-entropy of each position's next token, averaged over all tokens of the batch.
-# - **The model** (`course/models.py`, `GPT`) is laid out and named as Hugging Face's Llama (causal attention
+# - **The model** (`course/gpt.py`, `GPT`) is laid out and named as Hugging Face's Llama (causal attention
 #   with rotary positions, a gated MLP, RMSNorm), so that its weights are a `LlamaForCausalLM`'s.
 # - **Two layouts**, built on the meta device: `fsdp` (lesson 15's sharding over all ranks) and `fsdp-tp`
 #   (lesson 20's 2-D mesh, with torchtitan's tensor-parallel plan for Llama and sequence parallelism in each
@@ -25,13 +25,14 @@
 # %%
 from nbhelpers import *
 
-# The one switch. False: 150 steps, the lesson's default GPT (131 904 parameters), CPU processes. True: 1000
-# steps of a wider GPT, one process per GPU of this node (an even number of them).
+# The one switch. False: 150 steps, the lesson's default GPT (131 904 parameters), 4 CPU processes. True: 1000
+# steps of a wider GPT in bf16 on this node's GPUs, one process each: 2, 4, 8 or 16 of them (the most it has).
 FULL_SIZE = False
 STEPS = 1000 if FULL_SIZE else 150
-SIZE = ["--max-steps", str(STEPS)] + (["--width", "256", "--depth", "4", "--hidden", "688", "--seq-len", "256"]
-                                      if FULL_SIZE else [])
-NPROC = full_size_nproc(default=4) if FULL_SIZE else 4
+SEQ = 256 if FULL_SIZE else 64
+SIZE = ["--max-steps", str(STEPS), "--seq-len", str(SEQ)] + (
+    ["--width", "256", "--depth", "4", "--hidden", "688", "--precision", "bf16"] if FULL_SIZE else [])
+NPROC = max((n for n in (2, 4, 8, 16) if n <= gpu_count()), default=2) if FULL_SIZE else 4
 INNER, GLOBAL = 2, 32  # rows of 2 ranks under fsdp-tp; 32 rows of tokens a step in every run
 ARGS = ["--seed", "0", "--sample-tokens", "300"]
 DEVICE = [] if gpu_count() >= NPROC else ["--device", "cpu"]
@@ -46,14 +47,14 @@ from data_tools import text
 docs = text.documents("python-docs")
 train_docs, held_docs = text.split(docs)
 name, data = docs[0]
-md(f"{len(docs)} documents, {sum(len(d) for _, d in docs):,} bytes; the first, {name!r}, begins:\n\n```text\n"
-   f"{data[:300].decode()}\n```")
-rows = text.PackedText(text.stream(train_docs), 64)
+md(f"{len(docs)} documents, {sum(len(d) for _, d in docs):,} bytes (and one end-of-document token each: "
+   f"{sum(len(d) + 1 for _, d in docs):,} tokens); the first, {name!r}, begins:\n\n```text\n{data[:300].decode()}\n```")
+rows = text.PackedText(text.stream(train_docs), SEQ)
 x, y = rows[0]
 show_table([{"position": i, "input byte": int(x[i]), "input": repr(chr(int(x[i]))), "target byte": int(y[i]),
              "target": repr(chr(int(y[i])))} for i in range(8)])
-md(f"{len(train_docs)} documents train, {len(held_docs)} are held out (every tenth). Packed into rows of 64 + 1 "
-   f"tokens, the training text makes **{len(rows):,} rows**; each row is 64 training examples, one per position: "
+md(f"{len(train_docs)} documents train, {len(held_docs)} are held out (every tenth). Packed into rows of {SEQ} + 1 "
+   f"tokens, the training text makes **{len(rows):,} rows**; each row is {SEQ} training examples, one per position: "
    f"the target at each position is the input's next byte.")
 
 # %% [markdown]
@@ -69,11 +70,11 @@ show_tagged("day5/22_gpt_pretraining.py")
 
 # %% [markdown]
 # ## Run both layouts, and one process
-#
-# FSDP2 over 4 ranks (8 rows each), FSDP2 x TP on a 2 x 2 mesh (16 rows a row of the mesh), and one process
-# with all 32 rows: the same 32 rows of 64 tokens every step.
 
 # %%
+md(f"FSDP2 over {NPROC} ranks ({GLOBAL // NPROC} rows each), FSDP2 x TP on a {NPROC // INNER} x {INNER} mesh "
+   f"({GLOBAL // (NPROC // INNER)} rows a row of the mesh), and one process with all {GLOBAL} rows: the same {GLOBAL} "
+   f"rows of {SEQ} tokens every step.")
 run_lesson("day5/22_gpt_pretraining.py", *SIZE, *DEVICE, *ARGS, "--batch-size", str(GLOBAL // NPROC),
            "--nproc", str(NPROC), "--run-dir", RUN / "fsdp")
 run_lesson("day5/22_gpt_pretraining.py", *SIZE, *DEVICE, *ARGS, "--batch-size", str(GLOBAL // (NPROC // INNER)),
@@ -115,11 +116,12 @@ held = {f"{m[k]['heldout_loss']:.4f}" for k in LABELS}
 md(f"The loss starts at {m['one']['loss_per_step'][0]:.2f} nats, near ln 256 = {math.log(256):.2f} (a byte guessed "
    f"uniformly), and one process ends at a held-out loss of {m['one']['heldout_loss']:.2f} nats per byte after "
    f"{m['one']['steps']} steps. "
-   + (f"Both layouts train what it trains: every step's loss within {loss_worst:.1e} (relative) of its, "
+   + (f"Both layouts train as the one process does: every step's loss within {loss_worst:.1e} (relative) of the "
+      "one process's, "
       + (f"the same held-out loss to 4 decimals ({held.pop()}), " if len(held) == 1 else "")
-      + f"the weights within {worst:.1e}: float32 rounding of sums taken in another order, grown over "
-      f"{m['one']['steps']} AdamW steps (AdamW divides by the square root of small second moments, which "
-      "magnifies differences in the last digits)." if loss_worst < 1e-4 else
+      + f"the weights within {worst:.1e}: {m['one']['precision']} rounding of sums taken in another order, grown "
+      f"over {m['one']['steps']} AdamW steps (AdamW divides by the square root of small second moments, which "
+      "magnifies differences in the last digits)." if loss_worst < (1e-2 if FULL_SIZE else 1e-4) else
       f"The losses differ by up to {loss_worst:.1e} (relative): more than rounding."))
 
 # %% [markdown]
@@ -127,9 +129,11 @@ md(f"The loss starts at {m['one']['loss_per_step'][0]:.2f} nats, near ln 256 = {
 #
 # tokens/s per rank is every token a step trained, over the step's time and the ranks. MFU multiplies it by
 # the FLOPs a token costs (torchtitan's count: 6 per parameter outside the embedding, plus attention's
-# 12 x depth x width x sequence length) and divides by the device's peak: a GPU's datasheet number, on a CPU
-# a matmul timed by the lesson (there is no datasheet for a CPU core), so an MFU here is not comparable with a
-# GPU's.
+# 12 x depth x width x sequence length) and divides by the device's peak: a GPU's datasheet number for bf16, on a
+# CPU a matmul timed by the lesson (there is no datasheet for a CPU core), so an MFU here is not comparable with
+# a GPU's. Each run times its own matmul, on each rank while the others time theirs: with several ranks on a
+# few cores, each rank's peak is its share of the machine, and the MFUs of runs with different numbers of ranks
+# have different denominators.
 
 # %%
 import os
@@ -180,8 +184,8 @@ md(f"After {m['one']['steps'] * m['one']['tokens_per_step']:,} tokens a byte-lev
 #    memory above what it began with is smaller (each block keeps only its input), the step slower.
 # 2. `--layout fsdp-tp --inner 4 --hidden 66 --nproc 4`: the lesson stops before any rank starts, with one line
 #    saying that 66 hidden features do not divide among 4 tensor-parallel ranks.
-# 3. Your own text: `--text-dir docs` trains on the course's own pages (every `*.md` file a document). The first
-#    line counts the documents; after 20 steps the held-out loss is well below ln 256; train longer and the
-#    sample looks like Markdown.
+# 3. Your own text: `--text-dir docs/learners` trains on the course's pages for learners (every `*.md`, `*.txt`
+#    and `*.rst` file a document). The first line counts the documents; after 20 steps the held-out loss is well
+#    below ln 256; train longer and the sample looks like Markdown.
 #
 # Next: the [course map](../README.md#course-map), and [from the course to your own code](../docs/learners/your-own-code.md).
