@@ -64,6 +64,21 @@ def argv(line, tmp) -> tuple:
     return words, env
 
 
+def run_once(tmp):
+    """ran(line, check=True): a solution's command line run once in `tmp` (runs/ -> it), its CompletedProcess,
+    the same one again for the same line (a run that several exercises compare with); ran.tmp: `tmp`."""
+    done = {}
+
+    def ran(line, check=True):
+        if line not in done:
+            cmd, env = argv(line, tmp)
+            done[line] = run(cmd, env=env, check=check)
+        return done[line]
+
+    ran.tmp = tmp
+    return ran
+
+
 def run_solution(name, n, tmp, line=0, env=None, **kw) -> subprocess.CompletedProcess:
     cmd, own = argv(commands(name, n)[line], tmp)
     return run(cmd, env={**own, **(env or {})}, **kw)

@@ -14,8 +14,7 @@ import re
 
 import pytest
 
-from conftest import run
-from solutions_check import argv, commands, edit_source, metrics, numbers, sections, solution, weights
+from solutions_check import commands, edit_source, metrics, numbers, run_once, sections, solution, weights
 
 pytestmark = pytest.mark.slow  # the exercises' checks: the full suite (the quick tier proves each lesson's own claim)
 
@@ -26,17 +25,7 @@ MiB = 2 ** 20
 def ran(tmp_path_factory, dataset):
     """ran(line): the solution's command line run once in this module's directory (runs/ -> it), its
     CompletedProcess; ran.tmp: that directory."""
-    tmp = tmp_path_factory.mktemp("solutions_day4")
-    done = {}
-
-    def once(line, check=True):
-        if line not in done:
-            cmd, env = argv(line, tmp)
-            done[line] = run(cmd, env=env, check=check)
-        return done[line]
-
-    once.tmp = tmp
-    return once
+    return run_once(tmp_path_factory.mktemp("solutions_day4"))
 
 
 def row(m, op, nbytes) -> dict:

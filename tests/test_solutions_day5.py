@@ -5,12 +5,11 @@ hold what does not vary: losses, the sample, bytes held, the one-line refusal, t
 """
 import math
 import re
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run
-from solutions_check import argv, commands, metrics, sections, solution
+from conftest import REPO
+from solutions_check import commands, metrics, run_once, sections, solution
 
 pytestmark = pytest.mark.slow  # the exercises' checks: the full suite (the quick tier proves each lesson's own claim)
 
@@ -18,17 +17,7 @@ pytestmark = pytest.mark.slow  # the exercises' checks: the full suite (the quic
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
     """ran(line): the solution's command line run once in this module's directory (runs/ -> it)."""
-    tmp = tmp_path_factory.mktemp("solutions_day5")
-    done = {}
-
-    def once(line, check=True):
-        if line not in done:
-            cmd, env = argv(line, tmp)
-            done[line] = run(cmd, env=env, check=check)
-        return done[line]
-
-    once.tmp = tmp
-    return once
+    return run_once(tmp_path_factory.mktemp("solutions_day5"))
 
 
 @solution("22_gpt_pretraining", 1)
