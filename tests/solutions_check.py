@@ -46,6 +46,12 @@ def commands(name, n) -> list:
     return [l.split("  #")[0].strip() for l in block.group(1).splitlines() if l.strip()]
 
 
+def refusals(name, n) -> list:
+    """The one-line refusals (`python dayD/<name>.py: error: ...`) that exercise n's section quotes."""
+    script = next(REPO.glob(f"day*/{name}.py")).relative_to(REPO)
+    return re.findall(rf"^python {re.escape(str(script))}: error: .*$", sections(name)[n], re.M)
+
+
 def argv(line, tmp) -> tuple:
     """(argv, environment changes) for a solution's command line."""
     words = shlex.split(line)
