@@ -34,7 +34,8 @@ Lesson 20's loop, on a language model instead of a ViT.  What changes:
   datasheet's bf16 one): an MFU on the CPU is not comparable with a GPU's.
 - The loss of each step, the held-out loss, tokens/s in TensorBoard (--run-dir/tensorboard); at the end the
   weights gathered whole (get_model_state_dict, as lesson 20 does), and rank 0 builds the model whole from them
-  (the only time a rank does), writes them and samples text
+  (the only time a rank does), writes them (model.pt, and hf/ in Hugging Face's format: config.json and
+  model.safetensors, which `transformers` and lesson 23 load) and samples text
   from them: --prompt, continued by --sample-tokens bytes, each drawn from the model's next-token
   probabilities (with --temperature).
 --batch-size is rows per data-parallel replica; the global batch is replicas x --batch-size rows of --seq-len
@@ -69,6 +70,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from course.launching import cli
 from course.launching.launch import backend_for, launch, mesh_timeouts, setup_device
+from course import hf
 from course.gpt import GPT, add_gpt_args, check_gpt_args, gpt_sizes, init_gpt_shards
 from course.measuring import hardware, memory, parallel, throughput
 from course.training.output import plot_curves, rank_print, save_weights, write_json
@@ -245,6 +247,7 @@ def worker(info, args):
             "tokens_per_second_per_rank": tokens_per_second, "peak_flops": peak_flops, "peak_flops_from": peak_from,
             "mfu": mfu, "loss_per_step": losses, "heldout_loss": held, "sample": sampled, "memory": peak.result()})
         save_weights(run / "model.pt", full)
+        hf.save_whole(run / "hf", full, gpt_sizes(args), args.seq_len)  # Hugging Face's format: lesson 23 reads it
         plot_curves(run / "loss.png", {f"{args.layout if world_size > 1 else 'one process'}, {world_size} ranks":
                                        (range(1, step + 1), losses)},
                     "step", "next-token loss (nats)", f"GPT, {params:,} parameters, {global_tokens} tokens a step")

@@ -32,7 +32,8 @@ ASKED = "asked.txt"  # the names tests asked for, one a line, in the shared dire
 
 @dataclass(frozen=True)
 class Ref:
-    """One reference run.  args may hold "{run_dir}", this run's own directory.  launcher "self":
+    """One reference run.  args may hold "{run_dir}", this run's own directory, and "{needs}", the directory of
+    the reference run named `needs` (run first, or read, as any test's request).  launcher "self":
     `python SCRIPT ARGS` (the lesson's own launcher; ARGS say --nproc N, or the lesson's default holds);
     "torchrun": `torchrun --standalone --nproc_per_node=NPROC SCRIPT ARGS` (nproc is torchrun's; the plan()
     helper of reference_runs.py builds --nproc from it for the lesson's own launcher)."""
@@ -42,9 +43,10 @@ class Ref:
     nproc: int = 1
     timeout: int = 300
     returncode: int = 0  # what the run must exit with; None: the tests judge it (a hang's repro fails)
+    needs: str = ""  # the reference run whose outputs this one reads ("{needs}" in args)
 
-    def command(self, run_dir: Path) -> list:
-        args = [str(a).format(run_dir=run_dir) for a in self.args]
+    def command(self, run_dir: Path, needs: Path = None) -> list:
+        args = [str(a).format(run_dir=run_dir, needs=needs) for a in self.args]
         script = REPO / self.script
         if self.launcher == "self":
             return [PYTHON, script, *args]
@@ -73,6 +75,7 @@ class Catalogue:
 
     def __call__(self, name: str) -> Ran:
         ref = self.runs[name]
+        needs = self(ref.needs).run_dir if ref.needs else None  # before this run's lock: no two locks held
         slug = "".join(c if c.isalnum() else "-" for c in name).strip("-")
         run_dir, result = self.root / slug, self.root / f"{slug}.json"
         with open(self.root / ASKED, "a") as asked:  # for the end of a whole run: every run was read (conftest)
@@ -80,7 +83,7 @@ class Catalogue:
         with open(self.root / f"{slug}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when this process ends, too: a crashed runner frees it
             if not result.exists():
-                self._run(name, ref, run_dir, result)
+                self._run(name, ref, run_dir, result, needs)
         ran = Ran(name=name, run_dir=run_dir, **json.loads(result.read_text()))
         if ran.returncode is None or (ref.returncode is not None and ran.returncode != ref.returncode):
             how = "did not end" if ran.returncode is None else f"exited {ran.returncode}, not {ref.returncode}"
@@ -89,9 +92,9 @@ class Catalogue:
         return ran
 
     @staticmethod
-    def _run(name: str, ref: Ref, run_dir: Path, result: Path) -> None:
+    def _run(name: str, ref: Ref, run_dir: Path, result: Path, needs: Path = None) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)  # a runner that crashed may have left it
-        cmd = ref.command(run_dir)
+        cmd = ref.command(run_dir, needs)
         start = time.monotonic()
         try:
             proc = run(cmd, check=False, timeout=ref.timeout)

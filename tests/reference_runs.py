@@ -7,6 +7,8 @@ session (tests/catalogue.py says how).  A test reads one with the `catalogue` fi
 To add a lesson's reference run: one line here, `"N: what it is": Ref(SCRIPT, (ARGS...), launcher, nproc)`,
 with "{run_dir}" where the run writes its outputs.  A name says the lesson's number first, then what sets the run apart.
 """
+from dataclasses import replace
+
 from catalogue import Ref
 
 L2, L3, L4, L6 = ("day1/2_mnist_training.py", "day1/3_mnist_distributed.py", "day1/4_mnist_manual_ddp.py",
@@ -147,3 +149,19 @@ RUNS.update(plan("22: ", "day5/22_gpt_pretraining.py", GPT, {
     "bf16 one": ("self", 1, ("--batch-size", "16", "--precision", "bf16")),
     "bf16 fsdp-tp 2x2": ("self", 4, ("--batch-size", "8", "--layout", "fsdp-tp", "--precision", "bf16")),
 }))
+
+# lesson 23 (tests/test_day5_hf.py): a model transformers built and saved (tests/hf_model.py), fine-tuned by one
+# process with the global batch of 16 pairs and by FSDP2 at 2 (torchrun) and 4 ranks with the same global batch;
+# the pitfall (no reshard after the no_grad evaluation) at 2 ranks; lesson 22's model loaded and saved unchanged
+FINETUNE = ("--max-steps", "6", "--seed", "5", "--seq-len", "96", "--answer-tokens", "20")
+RUNS["23: transformers' model"] = Ref("tests/hf_model.py", ("{run_dir}/hf",))
+RUNS.update({name: replace(ref, needs="23: transformers' model")
+             for name, ref in plan("23: ", "day5/23_hf_finetuning.py", (*FINETUNE, "--model-dir", "{needs}/hf"), {
+                 "one": ("self", 1, ("--batch-size", "16")),
+                 "fsdp2": ("torchrun", 2, ("--batch-size", "8")),
+                 "fsdp4": ("self", 4, ("--batch-size", "4")),
+                 "pitfall": ("self", 2, ("--batch-size", "8", "--skip-reshard")),
+             }).items()})
+RUNS["23: lesson 22's model, unchanged"] = Ref("day5/23_hf_finetuning.py", (
+    "--max-steps", "0", "--seq-len", "96", "--answer-tokens", "20", "--model-dir", "{needs}/hf", "--nproc", "2",
+    "--run-dir", "{run_dir}"), needs="22: one")

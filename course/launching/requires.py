@@ -24,13 +24,15 @@ from pathlib import Path
 
 # import name -> the package pip installs it from (requirements.txt)
 PACKAGES = {"torch": "torch", "numpy": "numpy", "matplotlib": "matplotlib", "h5py": "h5py", "psutil": "psutil",
-            "tensorboard": "tensorboard"}
+            "tensorboard": "tensorboard", "safetensors": "safetensors"}
 EVERY_LESSON = ("torch", "numpy", "matplotlib")  # the model and data, the plots of the run dir
 BY_LESSON = {  # imported by these lessons only (lazily, where they read or write an HDF5 file or TensorBoard events)
     "11_mnist_ddp_pt_multinode_streaming": ("h5py",),
     "create_mnist_h5": ("h5py",),
     "5_mnist_manual_ddp_profile": ("tensorboard",),
     "test-profile": ("tensorboard",),
+    "22_gpt_pretraining": ("tensorboard", "safetensors"),
+    "23_hf_finetuning": ("tensorboard", "safetensors"),
 }
 BY_OPTION = {"--watch-hardware": ("psutil", "tensorboard"), "--profile": ("tensorboard",)}
 # The oldest torch release with what a lesson uses: (folder or lesson name, (major, minor), what it uses).
@@ -39,7 +41,10 @@ TORCH_FROM = [("day3", (2, 6), "torch.distributed.fsdp.fully_shard, FSDP2's publ
               ("day4", (2, 14), "torch.distributed.all_gather_single and reduce_scatter_single, the names the "
                                 "collectives have since all_gather_into_tensor and reduce_scatter_tensor were "
                                 "deprecated, and DTensor's tensor parallelism (lessons 18-19 are tested with "
-                                "2.14.1)")]
+                                "2.14.1)"),
+              ("day5", (2, 14), "DTensor's tensor parallelism with sequence parallelism and "
+                                "torch.distributed.checkpoint's HuggingFaceStorageReader and Writer (lessons 22-23 "
+                                "are tested with 2.14.1)")]
 
 
 def needs(lesson: str, argv=()) -> list:
