@@ -92,6 +92,10 @@ def load(seq_len: int) -> tuple:
     if seq_len < longest + 1:
         raise DataError(f"--seq-len {seq_len} is shorter than the longest prompt ({longest} bytes) and one byte of "
                         f"its response; use --seq-len {longest + 1} or more")
+    whole = max(len(p.encode()) + len(r.encode()) + 1 for p, r in items)  # the longest pair and its END
+    if seq_len > whole:
+        raise DataError(f"--seq-len {seq_len} is longer than the longest pair ({whole} bytes with its END): its rows "
+                        f"would end in padding only; use --seq-len {whole} or less")
     train, held = split(items)
     cut = sum(len(p.encode()) + len(r.encode()) + 1 > seq_len + 1 for p, r in items)
     said = (f"{len(items)} prompt/response pairs from Python's documentation topics, {len(held)} held out; "

@@ -70,7 +70,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from course.launching import cli
 from course.launching.launch import backend_for, launch, mesh_timeouts, setup_device
-from course import hf
+from course.checkpoints import hf
 from course.gpt import GPT, add_gpt_args, check_gpt_args, gpt_sizes, init_gpt_shards
 from course.measuring import hardware, memory, parallel, throughput
 from course.training.output import plot_curves, rank_print, save_weights, write_json

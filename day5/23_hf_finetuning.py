@@ -7,7 +7,7 @@
 Lesson 22's loop, on weights somebody else trained.  What changes:
 - The model comes from a Hugging Face model directory (--model-dir: config.json and *.safetensors, as
   `transformers`' save_pretrained writes it; lesson 22 writes one into its run dir's hf/).  The model is
-  built on the meta device from config.json's sizes (course/hf.py), sharded with fully_shard (lesson 15),
+  built on the meta device from config.json's sizes (course/checkpoints/hf.py), sharded with fully_shard (lesson 15),
   given memory for its shards (to_empty), and then each rank reads its own rows of each tensor straight from
   the safetensors file: torch.distributed.checkpoint's HuggingFaceStorageReader with dcp.load fills the
   sharded state dict that get_model_state_dict gives.  No rank holds the whole model, before or after.
@@ -53,7 +53,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from torch.utils.tensorboard import SummaryWriter
 
-from course import hf
+from course.checkpoints import hf
 from course.gpt import GPT
 from course.launching import cli
 from course.launching.launch import backend_for, launch, mesh_timeouts, setup_device
@@ -81,7 +81,7 @@ def held_out_loss(model, rows, args, device, replicas: int) -> float:
     number of forwards, so the rows are dealt round-robin and a rank short of one runs an all-ignored row."""
     model.eval()
     total, count = torch.zeros(2, device=device), 0
-    mine = list(range(dist.get_rank() % replicas, len(rows), replicas))
+    mine = list(range(dist.get_rank() % replicas, len(rows), replicas))  # DIST: my share of the rows
     for start in range(0, -(-len(rows) // replicas), args.batch_size):
         batch = [rows[i] for i in mine[start:start + args.batch_size]]
         if not batch:  # a forward all the same: FSDP2's all_gathers need every rank

@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # (earlier lesson, later lesson): each later lesson is read as a diff against the earlier one
-PAIRS = [(0, 1), (2, 3), (3, 4), (4, 5), (4, 6), (6, 7), (6, 8), (6, 10), (10, 11), (10, 12), (6, 13), (13, 14), (13, 15), (15, 16), (6, 17), (13, 18), (18, 19), (19, 20), (19, 21), (20, 22)]
+PAIRS = [(0, 1), (2, 3), (3, 4), (4, 5), (4, 6), (6, 7), (6, 8), (6, 10), (10, 11), (10, 12), (6, 13), (13, 14), (13, 15), (15, 16), (6, 17), (13, 18), (18, 19), (19, 20), (19, 21), (20, 22), (22, 23)]
 # pairs whose idea needs more than --check's lines, written in the lesson rather than hidden behind a helper
 # (the later lesson's docstring says why): (earlier, later): (its limit, why)
 LARGER = {
@@ -28,6 +28,8 @@ LARGER = {
     (19, 20): (90, "lesson 19's plans written again (lessons stand alone), and the clip that follows the meshes"),
     (20, 22): (330, "a new day: text in place of images, a language model's loss, tokens/s and MFU, sampling, and "
                   "the plan for a whole Llama (embedding, head, sequence parallelism) all change at once"),
+    (22, 23): (300, "lesson 22's loop on weights read from and written to a Hugging Face directory, on masked "
+                  "prompt/response pairs: 180 of the lines are lesson 22's TP plans, throughput and sampling going"),
 }
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from catalogue import Runs
 from conftest import REPO
-from course import hf
+from course.checkpoints import hf
 from course.gpt import GPT
 from course.training.output import load_weights
 from data_tools import instructions

@@ -64,7 +64,10 @@ BAD_OPTION_VALUES = {
     "--hidden": ["0", "x"], "--seq-len": ["0", "x", "1000000"],  # a million bytes: more than the held-out text
     "--eval-rows": ["0", "x"], "--sample-tokens": ["-1", "x"], "--temperature": ["0", "x"],
     "--prompt": [""],
+    "--model-dir": ["MISSING", "FILE", "EMPTY_DIR"], "--answer-tokens": ["-1", "x"],
 }
+# A lesson whose option takes a value the others refuse: its own bad values.
+BAD_OPTION_VALUES_OF = {("day5/23_hf_finetuning.py", "--max-steps"): ["-1", "x"]}  # 0: load and save only
 # Options that are used only with another one: the bad value is given with it.
 OPTION_NEEDS = {"--log-dir": [("--profile",)], "--watch-interval": [("--watch-hardware",)],
                 "--overflow-rank": [("--overflow-at", "3")]}
@@ -190,7 +193,27 @@ def test_every_environment_variable_a_lesson_reads_has_bad_values():
 def concrete(value: str, tmp_path) -> str:
     file = tmp_path / "a-file"
     file.write_text("not a directory\n")
+    if value == "EMPTY_DIR":
+        (tmp_path / "empty-dir").mkdir(exist_ok=True)
+        return str(tmp_path / "empty-dir")
+    if value == "HF_MODEL":  # a Hugging Face model directory as lesson 22 writes it: the course's GPT, default size
+        from course.checkpoints import hf
+        from course.gpt import GPT
+
+        model_dir = tmp_path / "hf-model"
+        if not model_dir.exists():
+            hf.save_whole(model_dir, GPT().state_dict(), GPT().sizes, 64)
+        return str(model_dir)
     return value.replace("FILE", str(file)).replace("MISSING", str(tmp_path / "missing"))
+
+
+# What a lesson needs to get past its own input to the option or variable under test: (option, value).
+INPUTS = {"day5/23_hf_finetuning.py": ("--model-dir", "HF_MODEL")}
+
+
+def inputs(script: str, tmp_path, but: str = None) -> list:
+    option, value = INPUTS.get(script, (None, None))
+    return [] if option in (None, but) else [option, concrete(value, tmp_path)]
 
 
 def one_line_before_any_rank(done, names, run_dir, case):
@@ -220,10 +243,12 @@ def test_every_bad_option_value_is_one_line_before_any_rank(lesson_main, lesson_
     for option, metavar in options.items():
         if metavar is None:
             continue
-        for value in ["nosuch"] if metavar.startswith("{") else BAD_OPTION_VALUES[option]:
+        bad = ["nosuch"] if metavar.startswith("{") else BAD_OPTION_VALUES_OF.get((script, option)) or \
+            BAD_OPTION_VALUES[option]
+        for value in bad:
             run_dir = tmp_path / f"run-{len(failures)}-{option}-{value.replace('/', '_')}"
             needs = [word for given in OPTION_NEEDS.get(option, []) if given[0] in options for word in given]
-            args = [option, concrete(value, tmp_path), *needs]
+            args = [option, concrete(value, tmp_path), *needs, *inputs(script, tmp_path, but=option)]
             if "--run-dir" in options and option != "--run-dir":
                 args += ["--run-dir", run_dir]
             check(lesson_main, script, args, [option, value, args[1]], run_dir, f"{script} {option} {value}", failures)
@@ -248,8 +273,9 @@ def test_every_bad_environment_value_is_one_line_before_any_rank(lesson_main, le
                     m.delenv(other, raising=False)
                 for key, val in {**(around or launched), name: concrete(value, tmp_path)}.items():
                     m.setenv(key, val)
-                check(lesson_main, script, ["--run-dir", run_dir] if has_run_dir else [], [name], run_dir,
-                      f"{name}={value!r} {script}", failures)
+                check(lesson_main, script, [*(["--run-dir", run_dir] if has_run_dir else []),
+                                            *inputs(script, tmp_path)], [name], run_dir, f"{name}={value!r} {script}",
+                      failures)
     assert failures == [], "\n".join(failures)
 
 
