@@ -5,7 +5,6 @@ Apart from course/models.py (days 1-4's models) so that the lessons and notebook
 """
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (RoPE) as Hugging Face's Llama computes it: each query and key is rotated by
@@ -155,17 +154,10 @@ def check_gpt_args(args) -> None:
                           f"head (rotary positions turn features in pairs); choose a width such as {args.heads * 16}")
 
 
-@torch.no_grad()
 def init_gpt_shards(model: nn.Module, args, seed: int) -> None:
     """Fill `model`'s pieces (after to_empty) with the initial weights of GPT(**gpt_sizes(args)) built under
     `seed`, as course/training/sharded_init.py does for the ViT: each part drawn in the order the whole model's
     constructor draws it, each rank keeping its own rows (no rank holds more than one block whole, nothing sent)."""
-    torch.manual_seed(seed)
-    for name, part in gpt_parts(**gpt_sizes(args)):
-        for key, whole in {f"{name}.{k}": v for k, v in part.state_dict().items()}.items():
-            piece = model.get_parameter(key)
-            if not isinstance(piece, DTensor):  # one process: the model whole
-                piece.copy_(whole)
-                continue
-            rows = distribute_tensor(whole.to(piece.device), piece.device_mesh, piece.placements, src_data_rank=None)
-            piece.to_local().copy_(rows.to_local())
+    from course.training.sharded_init import init_shards
+
+    init_shards(model, gpt_parts(**gpt_sizes(args)), seed)

@@ -181,8 +181,6 @@ def worker(info, args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     dtype = DTYPES[args.precision]
     peak = memory.StepPeak(model, optimizer, device)  # step 3's bytes: held as it begins, most during it
-    if args.compile and device.type != "cuda":  # the compiled blocks' CPU kernels allocate where it cannot see
-        peak.unmeasurable = "torch.compile's CPU kernels"
     peak_flops, peak_from = throughput.model_peak_flops(device, dtype)
     per_token = flops_per_token(params, embedding, args)
 
@@ -259,7 +257,6 @@ def worker(info, args):
 
 def build_parser():
     p = cli.add_distributed(cli.parser(__doc__, "day5/22_gpt_pretraining.py", data=False, nproc_default=2))
-    p.set_defaults(train_samples=None)  # read by the image lessons' --quick in cli.parse; this --quick is check()'s
     p.add_argument("--corpus", default="python-docs", choices=text.CORPORA,
                    help="python-docs: Python's documentation topics; python-stdlib: the standard library's sources")
     p.add_argument("--text-dir", type=Path, default=None,

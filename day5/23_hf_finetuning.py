@@ -202,7 +202,6 @@ def worker(info, args):
 
 def build_parser():
     p = cli.add_distributed(cli.parser(__doc__, "day5/23_hf_finetuning.py", data=False, nproc_default=2))
-    p.set_defaults(train_samples=None)  # read by the image lessons' --quick in cli.parse; this --quick is check()'s
     p.add_argument("--model-dir", type=Path, default=Path("runs") / "22_gpt_pretraining" / "hf",
                    help="a Hugging Face model directory (config.json, *.safetensors) of a Llama-layout model")
     p.add_argument("--seq-len", type=cli.positive_int, default=192, help="tokens (bytes) per row: one pair a row")

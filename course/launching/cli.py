@@ -136,7 +136,7 @@ def add_sync(p: Parser, ddp: bool = False) -> Parser:
 
 def parse(p: Parser, argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
-    if getattr(args, "quick", False):
+    if getattr(args, "quick", False) and hasattr(args, "train_samples"):  # the image lessons' (data=True) --quick
         args.epochs = 1
         args.train_samples = args.train_samples or QUICK_TRAIN_SAMPLES
     if getattr(args, "train_samples", None):

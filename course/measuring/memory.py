@@ -200,7 +200,9 @@ class StepPeak:
     def __init__(self, model, optimizer, device, at: int = 3):
         self.model, self.optimizer, self.device, self.at = model, optimizer, device, at
         self.steps, self.tracker, self.measured = 0, None, None
-        compiled = hasattr(model, "_orig_mod")  # torch.compile's wrapper
+        modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+        compiled = hasattr(model, "_orig_mod") or any(  # torch.compile's wrapper, or a part's module.compile()
+            getattr(m, "_compiled_call_impl", None) is not None for m in modules)
         self.unmeasurable = "torch.compile's CPU kernels" if compiled and device.type != "cuda" else ""
         # a pipeline rank's stages (lesson 21) are an nn.ModuleList, never called itself: its first stage begins a step
         begins = model[0] if isinstance(model, torch.nn.ModuleList) else model

@@ -21,11 +21,18 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from course.models import vit_parts
 
 
-@torch.no_grad()
 def init_vit_shards(model: nn.Module, args, seed: int) -> None:
     """Fill `model`'s shards (after to_empty) with the initial weights of model_from_args(args, seed)."""
-    torch.manual_seed(seed)  # as course.models.model_from_args does before building the whole ViT
-    for name, part in vit_parts(args.patch, args.width, args.depth, args.heads):
+    init_shards(model, vit_parts(args.patch, args.width, args.depth, args.heads), seed)
+
+
+@torch.no_grad()
+def init_shards(model: nn.Module, parts, seed: int) -> None:
+    """Fill `model`'s shards (after to_empty) with the weights of the model whose constructor makes `parts`
+    ((name, module or parameter), in its order) under `seed`: lesson 22's GPT (course.gpt.gpt_parts) and the
+    ViT alike."""
+    torch.manual_seed(seed)  # as the whole model's builder does before its constructor
+    for name, part in parts:
         tensors = {name: part} if isinstance(part, nn.Parameter) else \
             {f"{name}.{key}": value for key, value in part.state_dict().items()}
         for key, whole in tensors.items():
