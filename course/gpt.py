@@ -1,5 +1,6 @@
-"""Day 5's language model: a small decoder-only GPT laid out and named as Hugging Face's Llama (lesson 22), its
-command-line sizes, and its initial weights cut to each rank's pieces on the meta device.
+"""Day 5's language model: a small decoder-only GPT laid out and named as Hugging Face's Llama (lessons 22-23),
+its parts in the order its constructor makes them (for course/training/sharded_init.py's init_shards), and its
+command-line sizes.
 
 Apart from course/models.py (days 1-4's models) so that the lessons and notebooks of days 1-4 import nothing of it.
 """
@@ -152,12 +153,3 @@ def check_gpt_args(args) -> None:
     if args.width % args.heads or (args.width // args.heads) % 2:
         raise CourseError(f"--width {args.width} must be a multiple of --heads {args.heads} with an even width per "
                           f"head (rotary positions turn features in pairs); choose a width such as {args.heads * 16}")
-
-
-def init_gpt_shards(model: nn.Module, args, seed: int) -> None:
-    """Fill `model`'s pieces (after to_empty) with the initial weights of GPT(**gpt_sizes(args)) built under
-    `seed`, as course/training/sharded_init.py does for the ViT: each part drawn in the order the whole model's
-    constructor draws it, each rank keeping its own rows (no rank holds more than one block whole, nothing sent)."""
-    from course.training.sharded_init import init_shards
-
-    init_shards(model, gpt_parts(**gpt_sizes(args)), seed)

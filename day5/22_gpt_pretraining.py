@@ -71,10 +71,11 @@ from torch.utils.tensorboard import SummaryWriter
 from course.launching import cli
 from course.launching.launch import backend_for, launch, mesh_timeouts, setup_device
 from course.checkpoints import hf
-from course.gpt import GPT, add_gpt_args, check_gpt_args, gpt_sizes, init_gpt_shards
+from course.gpt import GPT, add_gpt_args, check_gpt_args, gpt_parts, gpt_sizes
 from course.measuring import hardware, memory, parallel, throughput
 from course.training.output import plot_curves, rank_print, save_weights, write_json
 from course.training.precision import DTYPES
+from course.training.sharded_init import init_shards
 from data_tools import text
 
 # fsdp-tp: the head's logits, gathered whole by its plan, are a view, which FSDP2 warns about once per rank; the
@@ -176,7 +177,7 @@ def worker(info, args):
             fully_shard(layer, mesh=mesh["dp"])  # DIST: lesson 15's sharding, a block a unit
         fully_shard(model, mesh=mesh["dp"])  # DIST: the rest: embedding, final norm, head
     model.to_empty(device=device)  # DIST: memory for this rank's pieces only, not yet initialized
-    init_gpt_shards(model, args, args.seed)  # DIST: the whole model's initial weights at --seed, my pieces
+    init_shards(model, gpt_parts(**gpt_sizes(args)), args.seed)  # DIST: the whole model's weights at --seed, my pieces
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     dtype = DTYPES[args.precision]
