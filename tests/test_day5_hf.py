@@ -4,8 +4,8 @@ from 1), 6 AdamW steps on prompt/response pairs of 96 tokens.  `transformers` ru
 
 - transformers -> the course: the held-out loss every run measured on the model as loaded (sharded over 1, 2, 4
   ranks) is the loss transformers computes from its own logits on the same pairs, within float32 rounding
-  (measured: equal to 7 digits in one process, 1e-7 relative sharded); lesson 22's model, loaded by 2 ranks and saved with no step between, is written back
-  bit for bit, with SHA256SUMS that hold.
+  (measured: equal to 7 digits in one process, 1e-7 relative sharded); lesson 22's model, loaded by 2 ranks
+  and saved with no step between, is written back bit for bit, with SHA256SUMS that hold.
 - the course -> transformers: the fine-tuned directory loads with AutoModelForCausalLM.from_pretrained, and its
   logits are the course GPT's on the same weights (measured: equal, bit for bit); its held-out loss is the one
   the lesson reported (within 1e-6 relative).
@@ -130,7 +130,8 @@ def test_without_reshard_after_the_no_grad_evaluation_training_drifts_silently(r
     pitfall, out = runs["pitfall"]
     fine, _ = runs["fsdp2"]
     reference = vector(weights(one / "hf"))
-    drift, kept = relative(vector(weights(pitfall / "hf")), reference), relative(vector(weights(fine / "hf")), reference)
+    drift = relative(vector(weights(pitfall / "hf")), reference)
+    kept = relative(vector(weights(fine / "hf")), reference)
     print(f"\nwithout reshard: {drift:.2e} relative from one process; with it: {kept:.2e}")
     assert drift > 100 * EQUAL > 100 * kept
     assert "warn" not in out.lower()  # nothing says so

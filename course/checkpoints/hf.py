@@ -12,6 +12,7 @@ sizes as it opens it.
 """
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 from course.launching.cli import CourseError
@@ -117,8 +118,6 @@ def verify_digests(model_dir: Path) -> bool:
 def save_whole(model_dir: Path, state_dict: dict, sizes: dict, seq_len: int) -> None:
     """One process with the whole state dict: model.safetensors, config.json and SHA256SUMS into `model_dir`,
     written beside it first and moved into place whole (a reader never sees half of it)."""
-    import shutil
-
     from safetensors.torch import save_file
 
     model_dir = Path(model_dir)
@@ -132,8 +131,6 @@ def save_whole(model_dir: Path, state_dict: dict, sizes: dict, seq_len: int) -> 
 
 def finish(partial: Path, model_dir: Path, sizes: dict, seq_len: int) -> None:
     """config.json and SHA256SUMS into `partial`, then `partial` moved to `model_dir` (an older one replaced)."""
-    import shutil
-
     (partial / CONFIG).write_text(json.dumps(config_of(sizes, seq_len), indent=2) + "\n")
     write_digests(partial)
     shutil.rmtree(model_dir, ignore_errors=True)

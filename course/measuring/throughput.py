@@ -4,7 +4,7 @@ import re
 
 import torch
 
-from course.measuring.hardware import clock
+from course.measuring.hardware import timed
 
 
 # Datasheet peaks, dense bf16 tensor-core FLOP/s (no sparsity), as torchtitan's MFU divides by them
@@ -19,8 +19,8 @@ DATASHEET_BF16 = (("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
 def model_peak_flops(device, dtype) -> tuple:
     """(FLOP/s, where the number comes from) for MFU: a bf16 run on a GPU named in DATASHEET_BF16 takes its
     datasheet's dense bf16 peak, as torchtitan does; elsewhere (a CPU, an unlisted GPU, or fp32, whose peak is
-    another and lower one) a square matmul in the run's dtype is timed here, lesson 18's measured peak (an MFU
-    against it reads higher than one against a datasheet)."""
+    another and lower one) a square matmul in the run's dtype is timed by every rank, lesson 18's measured peak
+    (an MFU against it reads higher than one against a datasheet)."""
     if device.type == "cuda" and dtype == torch.bfloat16:
         name = torch.cuda.get_device_name(device)
         for key, flops in DATASHEET_BF16:
@@ -28,10 +28,6 @@ def model_peak_flops(device, dtype) -> tuple:
                 return flops, f"the {key} datasheet's dense bf16 peak"
     side = 8192 if device.type == "cuda" else 1024
     a = torch.randn(side, side, device=device, dtype=dtype)
-    a @ a  # untimed: the first call pays for kernel choice
-    start = clock(device)
-    for _ in range(3):
-        a @ a
-    seconds = (clock(device) - start) / 3
+    seconds = timed(lambda: a @ a, 3, device)[0]  # as lesson 18 times it: every rank, the slowest rank's time
     dtype_name = str(dtype).removeprefix("torch.")
     return 2 * side ** 3 / seconds, f"a {side} x {side} {dtype_name} matmul timed on this {device.type}"
