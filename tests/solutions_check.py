@@ -90,7 +90,7 @@ def run_solution(name, n, tmp, line=0, env=None, **kw) -> subprocess.CompletedPr
     return run(cmd, env={**own, **(env or {})}, **kw)
 
 
-def run_edited(line, tmp, path, source) -> subprocess.CompletedProcess:
+def run_edited(line, tmp, path, source, check=True) -> subprocess.CompletedProcess:
     """Run a solution's command `line` on an edited copy of a lesson, as the solution's edit makes it: `source`
     written to tmp/`path` (the path the command names, e.g. "day3/14_without_no_sync.py"), with the course's
     packages importable as from the repository root."""
@@ -100,7 +100,7 @@ def run_edited(line, tmp, path, source) -> subprocess.CompletedProcess:
     # a command that does not name the copy would run something else, the unedited lesson perhaps
     line = edit_source(line, rf"(?<!\S){re.escape(path)}(?!\S)", lambda _: str(copy), f"the command {line!r}")
     cmd, env = argv(line, tmp)
-    return run(cmd, env={**env, "PYTHONPATH": str(REPO)})
+    return run(cmd, env={**env, "PYTHONPATH": str(REPO)}, check=check)
 
 
 def edit_source(text, pattern, replacement, what, count=1) -> str:

@@ -13,7 +13,7 @@ from 1), 6 AdamW steps on prompt/response pairs of 96 tokens.  `transformers` ru
   relative (measured 3.0e-8 and 2.8e-8 after 6 steps), every step's loss within 1e-5 relative: the masked loss's mean
   is over the whole global batch's response tokens.
 - the pitfall: without model.reshard() after the no_grad evaluation, the optimizer holds the root's gathered
-  parameters and the run ends elsewhere (measured 3.8e-2 relative from one process, against 3.0e-8), with
+  parameters, the root's shards are never stepped (bit for bit as loaded) and the run ends elsewhere (measured 3.8e-2 relative from one process, against 3.0e-8), with
   nothing said.
 - the masked loss counts the response's tokens and its END only.
 """
@@ -125,7 +125,7 @@ def test_lesson_22s_model_loaded_and_saved_without_a_step_is_written_back_bit_fo
     assert "after 0 steps" in ran.stdout
 
 
-def test_without_reshard_after_the_no_grad_evaluation_training_drifts_silently(runs):
+def test_without_reshard_after_the_no_grad_evaluation_training_drifts_silently(runs, catalogue):
     one, _ = runs["one"]
     pitfall, out = runs["pitfall"]
     fine, _ = runs["fsdp2"]
@@ -136,6 +136,13 @@ def test_without_reshard_after_the_no_grad_evaluation_training_drifts_silently(r
     assert drift > 100 * EQUAL > 100 * kept
     assert "warn" not in out.lower()  # nothing says so
     assert json.loads((pitfall / "metrics.json").read_text())["resharded"] is False
+    # why: the optimizer held the root's gathered copies, so the root's shards (embedding, final norm, head)
+    # were never stepped, while the blocks were
+    loaded, stuck = weights(catalogue("23: transformers' model").run_dir / "hf"), weights(pitfall / "hf")
+    trained = weights(fine / "hf")
+    root = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+    assert all(torch.equal(stuck[k], loaded[k]) and not torch.equal(trained[k], loaded[k]) for k in root)
+    assert not any(torch.equal(stuck[k], loaded[k]) for k in loaded if k not in root)
 
 
 def lesson():

@@ -260,10 +260,11 @@ def test_torch_below_a_lessons_floor_is_not_ready(simulated, capsys):
     code, out = verdict(simulated["torch 2.5"], capsys, ranks=ranks_of("torch 2.5"))
     assert code == 1 and row(out, "torch and packages")[0] == "FAIL"
     lines = [line for line in fixes(out) if line.startswith("torch and packages:")]
-    assert len(lines) == 2, out  # day 3's floor and day 4's, each once for both nodes
+    assert len(lines) == 3, out  # day 3's floor, day 4's and day 5's, each once for both nodes
     assert lines[0].startswith("torch and packages: node1, node2: torch >= 2.6 for torch.distributed.fsdp.fully_shard")
     assert "this is torch 2.5.1 (lessons 13, 14, 15, 16, 17): install it in the site's environment" in lines[0]
     assert "torch >= 2.14 for" in lines[1] and "(lessons 18, 19, 20, 21)" in lines[1]
+    assert "torch >= 2.14 for" in lines[2] and "(lessons 22, 23)" in lines[2]
 
 
 def test_a_missing_package_is_not_ready(simulated, capsys):

@@ -33,7 +33,7 @@ def test_each_day_has_the_allocations_its_lessons_need():
     assert shapes[2] == [(2, 2, ("9", "10", "create_mnist_h5", "11", "12"))]
     assert shapes[3] == [(1, 4, ("13", "14", "15", "16", "17"))]
     assert shapes[4] == [(1, 4, ("18", "19")), (2, 2, ("20", "21"))]  # tensor parallelism inside a node
-    assert shapes[5] == [(2, 2, ("22",))]  # a row of lesson 22's mesh per node
+    assert shapes[5] == [(2, 2, ("22", "23"))]  # a row of lesson 22's mesh per node; lesson 23 over both
 
 
 def test_a_class_of_30_on_nodes_of_4_gpus():

@@ -131,9 +131,9 @@ md(f"The loss starts at {m['one']['loss_per_step'][0]:.2f} nats, near ln 256 = {
 # the FLOPs a token costs (torchtitan's count: 6 per parameter outside the embedding, plus attention's
 # 12 x depth x width x sequence length) and divides by the device's peak: a GPU's datasheet number for bf16, on a
 # CPU a matmul timed by the lesson (there is no datasheet for a CPU core), so an MFU here is not comparable with
-# a GPU's. Each run times its own matmul, on each rank while the others time theirs: with several ranks on a
-# few cores, each rank's peak is its share of the machine, and the MFUs of runs with different numbers of ranks
-# have different denominators.
+# a GPU's. Each run times its own matmul on all its ranks at once and takes the slowest rank's time, as lesson 18
+# does: with several ranks on a few cores, that peak is a rank's share of the machine, and the MFUs of runs with
+# different numbers of ranks have different denominators.
 
 # %%
 import os
