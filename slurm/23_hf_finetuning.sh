@@ -2,7 +2,7 @@
 # Lesson 23 under Slurm: a Hugging Face model fine-tuned with FSDP2 over two nodes, its weights read by each rank
 # from the safetensors files (its own rows only) and written back in Hugging Face's format.  By default the model
 # is lesson 22's (runs/22_gpt_pretraining/hf: submit lesson 22 first); a model staged on shared storage with
-# -- --model-dir /shared/models/NAME (docs/trainers: staging weights; the readiness check verifies its digests).
+# -- --model-dir /shared/models/NAME (the instructor guide: staging a model; every run checks its SHA256SUMS).
 #
 # Submit it from the repository root with the sbatch options of your site (slurm/sites/NAME.env):
 #   SITE_ACCOUNT=m1234_g slurm/submit.sh 23_hf_finetuning --site perlmutter

@@ -59,6 +59,9 @@ RUNS = {
                                             "--schedule", "1f1b", "--microbatches", "4", "--nproc", "2"), "self"),
     "22": ("day5/22_gpt_pretraining.py", ("--max-steps", "2", "--width", "32", "--hidden", "64", "--seq-len", "32",
                                           "--sample-tokens", "5", "--layout", "fsdp-tp", "--nproc", "2"), "self"),
+    # lesson 22's model (the run above), fine-tuned
+    "23": ("day5/23_hf_finetuning.py", ("--max-steps", "2", "--seq-len", "96", "--answer-tokens", "5",
+                                        "--model-dir", "{hf22}", "--nproc", "2"), "self"),
 }
 
 
@@ -69,12 +72,12 @@ def checked(tmp_path_factory, dataset):
 
     def get(name: str):
         if name not in done:
-            if name == "16 resumed":
-                get("16")
+            if name in ("16 resumed", "23"):
+                get({"16 resumed": "16", "23": "22"}[name])
             script, args, launcher = RUNS[name]
             run_dir, timeouts = root / name.replace(" ", "_"), root / f"{name.replace(' ', '_')}.timeouts.jsonl"
             fill = {"{run_dir}": run_dir, "{checkpoints}": run_dir / "checkpoints",
-                    "{checkpoints16}": root / "16" / "checkpoints"}
+                    "{checkpoints16}": root / "16" / "checkpoints", "{hf22}": root / "22" / "hf"}
             args = [str(fill.get(a, a)) for a in args]
             if RUNS[name][0] != "day1/0_torch_dist.py":
                 args += ["--run-dir", str(run_dir)]

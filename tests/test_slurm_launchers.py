@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from course.checkpoints import hf
+from course.gpt import GPT
 from slurm_cluster import SlurmCluster, skip_reason
 
 SLURM = REPO / "slurm"
@@ -44,9 +46,10 @@ def is_day2(launcher: Path) -> bool:
 
 
 def two_nodes(launcher: Path) -> bool:
-    """Day 2's launchers, lesson 20's and 22's (one row of the 2-D mesh per node) and lesson 21's (its stages in
-    order over both nodes)."""
-    return is_day2(launcher) or launcher.stem in ("20_device_mesh_2d", "21_pipeline_parallel", "22_gpt_pretraining")
+    """Day 2's launchers, lesson 20's and 22's (one row of the 2-D mesh per node), lesson 21's (its stages in
+    order over both nodes) and lesson 23's (FSDP2 over both)."""
+    return is_day2(launcher) or launcher.stem in ("20_device_mesh_2d", "21_pipeline_parallel", "22_gpt_pretraining",
+                                                  "23_hf_finetuning")
 
 
 def sbatch_lines(launcher: Path) -> list[str]:
@@ -457,6 +460,9 @@ RUNS = {
     "21_pipeline_parallel": SMALL + ["--max-steps", "6"],
     # 2 nodes x 2 ranks: TP with sequence parallelism inside each node, FSDP2 across; a smaller GPT, 6 steps
     "22_gpt_pretraining": ["--max-steps", "6", "--width", "32", "--hidden", "64", "--sample-tokens", "20"],
+    # 2 nodes x 2 ranks: FSDP2 over both, fine-tuning a model written as lesson 22 writes it (hf-model, below)
+    "23_hf_finetuning": ["--max-steps", "4", "--seq-len", "96", "--answer-tokens", "10", "--model-dir",
+                         "{work}/hf-model"],
     "12_ddp_fault_tolerance": SMALL,
     "11_mnist_ddp_pt_multinode_streaming": SMALL,
     "10_mnist_ddp_pt_multinode": SMALL,
@@ -674,6 +680,14 @@ def check_22_gpt_pretraining(log, work):
     assert (work / "runs/22_gpt_pretraining/model.pt").stat().st_size > 0
 
 
+def check_23_hf_finetuning(log, work):
+    assert "+ srun --kill-on-bad-exit=1" in log and "23_hf_finetuning.py --max-steps 4" in log
+    m = json.loads((work / "runs/23_hf_finetuning/metrics.json").read_text())
+    assert (m["world_size"], m["replicas"], m["steps"], m["global_batch_rows"]) == (4, 4, 4, 32)
+    assert re.search(r"held-out loss \d\.\d+ as loaded, \d\.\d+ after 4 steps", log), log
+    assert hf.verify_digests(work / "runs/23_hf_finetuning/hf")  # written whole, its digests hold
+
+
 def check_create_mnist_h5(log, work):
     assert f"wrote {work / 'made-by-job.h5'}" in log and (work / "made-by-job.h5").exists()
 
@@ -694,6 +708,7 @@ def jobs(slurm_cluster, dataset, site_probe, tmp_path_factory):
     env = {**slurm_cluster.env, "SITE_TASKS_PER_NODE": "2", "SITE_CPUS_PER_TASK": "1",
            "COURSE_DATA_DIR": str(work / "data")}
     submitted, results = {}, {}
+    hf.save_whole(work / "hf-model", GPT(width=32, hidden=64).state_dict(), GPT(width=32, hidden=64).sizes, 64)
     # Lesson 9 once more, with a site profile given by path whose site_setup exports a token
     # (tests/slurm_fixture.py): the job script sets the site up, multinode_setup_and_run.sh keeps it.  First,
     # as it needs both nodes at once: submitted last it waited for every other job to end.

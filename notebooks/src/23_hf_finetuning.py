@@ -166,4 +166,4 @@ md(f"`transformers` answers: {said!r}. " + ("The same answer, byte for byte." if
 # 3. A damaged copy: copy the model directory, change one byte of its safetensors file, and give the copy to the
 #    lesson: it stops before any rank starts, with one line naming the file.
 #
-# Next: the [course map](../README.md#course-map), and [from the course to your own code](../docs/learners/your-own-code.md).
+# Next: [from the course to your own model](../docs/learners/your-own-model.md), and [to your own code](../docs/learners/your-own-code.md).
