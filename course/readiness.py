@@ -21,7 +21,8 @@ NCCL_DEBUG_FILE=RESULTS_DIR/nccl-%h-%p.log: NCCL's own lines say which network j
 CPU-only profile: on the CPU); the ranks ran on all the job's nodes, at least 2; NCCL joined the nodes over the
 network the profile declares; the all_reduce bus bandwidth reached the declared share of the declared link
 speed; every lesson of docs/lessons.toml has its torch release and packages; the GPUs compute the precision
-the lessons default to (bf16: compute capability 8.0).  A row that cannot be judged (nothing declared to judge
+the lessons default to (bf16: compute capability 8.0); a model staged for lesson 23 ($COURSE_MODEL_DIR, where
+the profile exports it) is on every node as its SHA256SUMS says.  A row that cannot be judged (nothing declared to judge
 against, nothing measured) is "not judged" and NOT READY too, never READY by silence; the one exception is the
 NCCL transport on a CPU-only profile, "not judged (gloo)": no NCCL there.
 """
@@ -151,8 +152,9 @@ def rank(results: Path) -> int:
 
 
 def node(results: Path) -> None:
-    """This node's Python, torch, GPUs, the torch release and packages of every lesson of the catalog, and the
-    data: results/node-HOST.json."""
+    """This node's Python, torch, GPUs, the torch release and packages of every lesson of the catalog, the
+    data, and the model staged for lesson 23 ($COURSE_MODEL_DIR, when set: its digests): results/node-HOST.json."""
+    from course.checkpoints import hf
     from course.launching import requires
     from data_tools.datasets import DEFAULT_DATASET, DataError, default_data_dir, require
     from data_tools.h5layout import default_h5_path
@@ -180,6 +182,12 @@ def node(results: Path) -> None:
         found["problems"].append(f"data: no {default_h5_path(DEFAULT_DATASET, data_dir)} for lesson 11 "
                                  f"(python data_tools/create_mnist_h5.py)")
     found["data_dir"] = str(data_dir)
+    staged = os.environ.get("COURSE_MODEL_DIR")  # a model staged for lesson 23: readable here, whole, as written
+    if staged:
+        problem = hf.staged_problem(Path(staged))
+        if problem:
+            found["problems"].append(f"model: {problem}")
+        found["model_dir"] = staged
     results.mkdir(parents=True, exist_ok=True)
     (results / f"node-{host}.json").write_text(json.dumps(found, indent=1))
     problems = found["problems"] + [f"{lesson}: {p}" for lesson, p in found["lessons"]]

@@ -7,7 +7,7 @@ prompt is a question naming the section and the response the first sentence of i
     prompt:   "Q: The "assert" statement?\nA: "
     response: "Assert statements are a convenient way to insert debugging assertions into a program:"
 
-175 pairs in Python 3.11 (a heading seen twice keeps its first); every tenth (the 10th, the 20th, ...) is held out.
+109 pairs in Python 3.11 (a heading seen again is skipped); every tenth (the 10th, the 20th, ...) is held out.
 Tokens are bytes, as in lesson 22 (data_tools/text.py): byte 0 (END) closes each response, so the model
 learns where an answer stops.
 

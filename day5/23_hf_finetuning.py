@@ -6,7 +6,8 @@
 
 Lesson 22's loop, on weights somebody else trained.  What changes:
 - The model comes from a Hugging Face model directory (--model-dir: config.json and *.safetensors, as
-  `transformers`' save_pretrained writes it; lesson 22 writes one into its run dir's hf/).  The model is
+  `transformers`' save_pretrained writes it; lesson 22 writes one into its run dir's hf/, the default unless
+  $COURSE_MODEL_DIR names a model staged for the class).  The model is
   built on the meta device from config.json's sizes (course/checkpoints/hf.py), sharded with fully_shard (lesson 15),
   given memory for its shards (to_empty), and then each rank reads its own rows of each tensor straight from
   the safetensors file: torch.distributed.checkpoint's HuggingFaceStorageReader with dcp.load fills the
@@ -202,8 +203,10 @@ def worker(info, args):
 
 def build_parser():
     p = cli.add_distributed(cli.parser(__doc__, "day5/23_hf_finetuning.py", data=False, nproc_default=2))
-    p.add_argument("--model-dir", type=Path, default=Path("runs") / "22_gpt_pretraining" / "hf",
-                   help="a Hugging Face model directory (config.json, *.safetensors) of a Llama-layout model")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="a Hugging Face model directory (config.json, *.safetensors) of a Llama-layout model "
+                        "(default: $COURSE_MODEL_DIR, a model staged for the class, or lesson 22's "
+                        "runs/22_gpt_pretraining/hf)")
     p.add_argument("--seq-len", type=cli.positive_int, default=192, help="tokens (bytes) per row: one pair a row")
     p.add_argument("--batch-size", type=cli.positive_int, default=8, help="rows (pairs) per rank")
     p.add_argument("--lr", type=cli.positive_float, default=1e-3, help="AdamW's learning rate")
@@ -223,6 +226,7 @@ def build_parser():
 
 def check(args) -> None:
     """Bad input as one line, before any rank starts: the model directory, its digests, the sizes."""
+    args.model_dir = args.model_dir or hf.default_model_dir()
     hf.sizes_of(args.model_dir)  # config.json there, a Llama the course's GPT can be, safetensors files
     hf.verify_digests(args.model_dir)  # what the course (or the trainer) wrote is what is there
     instructions.load(args.seq_len)  # the pairs fit the rows

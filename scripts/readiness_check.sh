@@ -14,7 +14,8 @@
 # ranks on all the job's nodes, at least 2; NCCL between the nodes over the network the profile declares
 # (SITE_NCCL_TRANSPORT: IB, Socket, ...); all_reduce bus bandwidth of at least SITE_MIN_BUSBW_SHARE (empty: 0.5)
 # of SITE_LINK_GBPS (a node's network, Gbit/s); every lesson's torch and packages; the precision the lessons
-# default to (bf16) native on the GPUs.  Without SITE_NCCL_TRANSPORT (GPU profiles) or SITE_LINK_GBPS, those rows
+# default to (bf16) native on the GPUs; where the profile exports COURSE_MODEL_DIR (a model staged for lesson 23),
+# that model readable on every node, one the course's GPT can be, its SHA256SUMS holding.  Without SITE_NCCL_TRANSPORT (GPU profiles) or SITE_LINK_GBPS, those rows
 # are "not judged" and the check says NOT READY.  Those three values are checked here before anything is
 # submitted: a value that cannot be one is one line, and exit 1.
 set -euo pipefail

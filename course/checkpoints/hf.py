@@ -12,6 +12,7 @@ sizes as it opens it.
 """
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,31 @@ from course.launching.cli import CourseError
 
 DIGESTS = "SHA256SUMS"
 CONFIG = "config.json"
+
+
+def default_model_dir() -> Path:
+    """$COURSE_MODEL_DIR, a model the trainer staged for the class (docs/trainers/instructor-guide.md), else
+    lesson 22's model (its run dir's hf/)."""
+    return Path(os.environ.get("COURSE_MODEL_DIR") or Path("runs") / "22_gpt_pretraining" / "hf")
+
+
+def named(model_dir: Path) -> str:
+    """The model dir as a message names it: "(COURSE_MODEL_DIR)" when that variable chose it."""
+    staged = os.environ.get("COURSE_MODEL_DIR")
+    return f"{model_dir} (COURSE_MODEL_DIR)" if staged and Path(staged) == Path(model_dir) else f"--model-dir {model_dir}"
+
+
+def staged_problem(model_dir: Path):
+    """What is wrong with a model staged for a class, or None: the course's GPT can be it, and it has a
+    SHA256SUMS that holds (the readiness check, on every node)."""
+    try:
+        sizes_of(model_dir)
+        if not verify_digests(model_dir):
+            return (f"{model_dir} has no {DIGESTS}: write one where the model was staged (cd {model_dir} && "
+                    f"sha256sum *.json *.safetensors > {DIGESTS})")
+    except CourseError as e:
+        return str(e)
+    return None
 
 
 def config_of(sizes: dict, seq_len: int) -> dict:
@@ -65,20 +91,20 @@ def sizes_of(model_dir: Path) -> dict:
 def read_config(model_dir: Path) -> dict:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise CourseError(f"--model-dir {model_dir}: {'not a directory' if model_dir.exists() else 'does not exist'};"
-                          f" give a Hugging Face model directory (config.json and *.safetensors), such as lesson "
+        raise CourseError(f"{named(model_dir)}: {'not a directory' if model_dir.exists() else 'does not exist'}; "
+                          f"give a Hugging Face model directory (config.json and *.safetensors), such as lesson "
                           f"22's runs/22_gpt_pretraining/hf")
     try:
         config = json.loads((model_dir / CONFIG).read_text())
     except FileNotFoundError:
-        raise CourseError(f"--model-dir {model_dir}: no {CONFIG}; a Hugging Face model directory has one") from None
+        raise CourseError(f"{named(model_dir)}: no {CONFIG}; a Hugging Face model directory has one") from None
     except (OSError, ValueError) as e:
         raise CourseError(f"{model_dir / CONFIG}: cannot be read as JSON ({e}); copy the model directory "
                           f"again") from None
     if not isinstance(config, dict):
         raise CourseError(f"{model_dir / CONFIG}: not a JSON object; copy the model directory again")
     if not sorted(model_dir.glob("*.safetensors")):
-        raise CourseError(f"--model-dir {model_dir}: no *.safetensors file; save the model with safetensors "
+        raise CourseError(f"{named(model_dir)}: no *.safetensors file; save the model with safetensors "
                           f"(transformers' save_pretrained does by default)")
     return config
 

@@ -61,8 +61,8 @@ md(f"{len(train_docs)} documents train, {len(held_docs)} are held out (every ten
 # ## What changed against lesson 20
 #
 # The whole data path (text in place of images), the model, the loss over every position, the plan for a whole
-# Llama (embedding and head included), tokens/s and MFU, the sample at the end. The diff is long: the lesson's
-# docstring says why. The distributed lines, tagged:
+# Llama (embedding and head included), tokens/s and MFU, the sample at the end: all at once, so the diff is
+# long (the lesson's docstring lists what changes). The distributed lines, tagged:
 
 # %%
 show_diff_stats("day4/20_device_mesh_2d.py", "day5/22_gpt_pretraining.py")

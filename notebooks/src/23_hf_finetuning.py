@@ -74,8 +74,9 @@ md(f"Positions 0 to {n - 2} would predict the question's own bytes: their target
 # ## What changed against lesson 22
 #
 # The data (pairs, padded, masked), the model's source (a directory instead of a seed), the loss's mean, the
-# evaluation before training and its `reshard()`, the writing back. Lesson 22's tensor-parallel plans, its
-# throughput accounting and its sampling go. The distributed lines, tagged:
+# evaluation before training and its `reshard()`, the writing back, a greedy answer instead of a sampled text,
+# and a plainer optimizer (a constant learning rate, no weight decay, fp32 only). Lesson 22's tensor-parallel
+# plans and its throughput accounting go. The distributed lines, tagged:
 
 # %%
 show_diff_stats("day5/22_gpt_pretraining.py", "day5/23_hf_finetuning.py")
@@ -124,7 +125,7 @@ show_table([{"run": LABELS[k], "held-out loss as loaded": m[k]["heldout_loss_bef
 md(f"As loaded, every run measures the same held-out loss ({m['one']['heldout_loss_before']:.4f} nats per byte of "
    f"the answers): the sharded model read from the file is the model. FSDP2 fine-tunes what one process "
    f"fine-tunes, to {diff['fsdp']:.1e} in the weights after {STEPS} steps (float32 sums in another order). "
-   f"Without `reshard()` the run ends {diff['pitfall']:.1e} away, and nothing in its output says so: the "
+   f"Without `reshard()` the run ends {diff['pitfall']:.1e} away, and no warning or error says so: the "
    f"optimizer was given the root's gathered parameters (the embedding, the final norm, the head), copies that "
    f"the next all_gather overwrites from the shards, which nothing stepped: "
    + ("those three tensors end bit for bit as loaded, " if root_stuck else "")
@@ -159,8 +160,8 @@ md(f"`transformers` answers: {said!r}. " + ("The same answer, byte for byte." if
 #
 # Solutions, with the commands and what they print: [`solutions/23_hf_finetuning.md`](../solutions/23_hf_finetuning.md).
 #
-# 1. Catch the pitfall: after the optimizer is built, check that every parameter it holds is a `DTensor` on
-#    more than one rank. Run with `--skip-reshard` and the check stops the run before its first step.
+# 1. Catch the pitfall: after the optimizer is built, on more than one rank, check that every parameter it holds
+#    is a `DTensor`. Run with `--skip-reshard` and the check stops the run before its first step.
 # 2. A mean per rank: make `masked_loss` divide each rank's sum by its own count of answer tokens. Two ranks no
 #    longer fine-tune what one process does.
 # 3. A damaged copy: copy the model directory, change one byte of its safetensors file, and give the copy to the
