@@ -29,7 +29,7 @@ LARGER = {
     (20, 22): (330, "a new day: text in place of images, a language model's loss, tokens/s and MFU, sampling, and "
                   "the plan for a whole Llama (embedding, head, sequence parallelism) all change at once"),
     (22, 23): (300, "lesson 22's loop on weights read from and written to a Hugging Face directory, on masked "
-                  "prompt/response pairs: 180 of the lines are lesson 22's TP plans, throughput and sampling going"),
+                  "prompt/response pairs: most of the removed lines are lesson 22's TP plans and throughput going"),
 }
 
 
