@@ -3,6 +3,7 @@
     python day5/22_gpt_pretraining.py --nproc 2 --quick                   # FSDP2 over 2 ranks
     python day5/22_gpt_pretraining.py --nproc 4 --quick --layout fsdp-tp  # FSDP2 x TP, sequence parallel, 2 x 2
     srun --nodes=2 --ntasks-per-node=2 python day5/22_gpt_pretraining.py --layout fsdp-tp
+    python day5/22_gpt_pretraining.py --nproc 2 --checkpoint-every 50 --resume if-any  # preemptible: stop, resume
 
 Lesson 20's loop, on a language model instead of a ViT.  What changes:
 - The data is text that every Python has, so nothing is downloaded (data_tools/text.py): by default Python's
@@ -38,11 +39,20 @@ Lesson 20's loop, on a language model instead of a ViT.  What changes:
   model.safetensors, which `transformers` and lesson 23 load) and samples text
   from them: --prompt, continued by --sample-tokens bytes, each drawn from the model's next-token
   probabilities (with --temperature).
+- Checkpoints and preemption (lessons 12 and 16, composed): SIGUSR1 (what `sbatch --signal=B:USR1@120` sends
+  before the time limit, passed on by srun or the launcher) or SIGTERM (a preemption) only sets a flag; one
+  all_reduce after every step, with the loss, tells every rank, and all stop after the same step.  Then a DCP
+  checkpoint (every rank its own shards, lesson 16's published directories with every file's sha256) of the
+  model, AdamW's moments, the schedule's step and the position in the text, and exit 0; --checkpoint-every
+  saves one every so many steps as well, and at the end.  --resume goes on from the newest intact one, at any
+  world size and either layout (DCP reshards): at the same ranks and layout the weights end bit for bit as
+  without the stop.  slurm/22_gpt_pretraining.sh requeues the job when the signal came.
 --batch-size is rows per data-parallel replica; the global batch is replicas x --batch-size rows of --seq-len
 tokens.  AdamW with a linear warm-up (--warmup-steps) then a constant --lr; gradients clipped to norm 1.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
 import logging
+import signal
 import sys
 import time
 import warnings
@@ -56,8 +66,10 @@ require(__file__)  # before torch: a torch or package this lesson lacks is one l
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
@@ -70,6 +82,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from course.launching import cli
 from course.launching.launch import backend_for, launch, mesh_timeouts, setup_device
+from course.checkpoints import dcp as ckpt
 from course.checkpoints import hf
 from course.gpt import GPT, add_gpt_args, check_gpt_args, gpt_parts, gpt_sizes
 from course.measuring import hardware, memory, parallel, throughput
@@ -84,6 +97,20 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 # DTensor warns (once per mesh, on each rank) when it makes a tensor whole over both mesh dimensions with one
 # collective per dimension (the gradient norm, the weights gathered at the end): expected here, cheap at this size
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+# What a checkpoint must agree on to be resumed: the model's sizes, and the run (the same rows in the same order,
+# the same schedule); the layout and the world size may change (DCP reshards)
+CHECKPOINT_KEYS = (("width", "depth", "heads", "hidden", "seq_len"),
+                   ("corpus", "text_dir", "lr", "warmup_steps", "seed", "precision"))
+stop_signal = None  # set by on_stop_signal, read after every step (lesson 12)
+
+
+def on_stop_signal(signum, frame):
+    global stop_signal
+    stop_signal = signum  # only a flag: we may be inside a collective here; the loop stops after the step
+
+
+signal.signal(signal.SIGUSR1, on_stop_signal)  # from the start: by default SIGUSR1 kills a rank still importing
 
 BLOCK_PLAN = {  # DIST: torchtitan's tensor-parallel plan for a Llama block, with sequence parallelism
     "input_layernorm": SequenceParallel(),  # DIST: the norm on this rank's piece of the tokens
@@ -146,6 +173,7 @@ def worker(info, args):
     dist.init_process_group(backend_for(device, args.backend), rank=rank, world_size=world_size,  # DIST: join
                             timeout=timedelta(seconds=args.timeout),
                             device_id=device if device.type == "cuda" else None)  # DIST: NCCL connects on this GPU now
+    signal.signal(signal.SIGTERM, on_stop_signal)  # after init: until here SIGTERM simply ends the process
     train_rows, held_rows, corpus = text.load(args.corpus, args.text_dir, args.seq_len)
 
     inner, mesh_nodes = (args.inner if args.layout == "fsdp-tp" and world_size > 1 else 1), None
@@ -184,6 +212,26 @@ def worker(info, args):
     peak = memory.StepPeak(model, optimizer, device)  # step 3's bytes: held as it begins, most during it
     peak_flops, peak_from = throughput.model_peak_flops(device, dtype)
     per_token = flops_per_token(params, embedding, args)
+    position = {"step": 0, "epoch": 0, "batches_done": 0, "losses": []}
+    chosen = ckpt.newest_intact(args.checkpoint_dir, args.resume, rank, world_size, device)  # lesson 16's choice
+    if chosen[0] is not None:
+        saved = dict(chosen[2])[chosen[0]]  # its complete.json: the settings and the position
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # DIST: this rank's pieces, keyed by name
+        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=chosen[0])  # DIST: its rows, any layout
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)  # DIST: in place
+        scheduler.load_state_dict(saved["scheduler"])  # the warm-up's step: the same learning rate next step
+        position = {k: saved[k] for k in position}
+        rank_print(rank, f"resumed from {chosen[0]} (saved by {saved['world_size']} ranks): step {saved['step']}")
+    saves = ckpt.Saves(rank, args.keep, chosen)
+
+    def save_checkpoint(epoch, batches_done):  # DIST: lesson 16's: every rank its own shards at once, rank 0 publishes
+        saves.begin()
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # DIST: this rank's pieces, keyed by name
+        tmp = ckpt.temporary(args.checkpoint_dir, step, chosen[1])
+        info = {**ckpt.settings(args, world_size, CHECKPOINT_KEYS, replicas), "step": step, "epoch": epoch,
+                "batches_done": batches_done, "scheduler": scheduler.state_dict(),
+                "losses": position["losses"] + torch.stack(losses).tolist() if losses else position["losses"]}
+        saves.started(dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=ckpt.Writer(tmp)), tmp, info)
 
     sampler = DistributedSampler(train_rows, num_replicas=replicas, rank=replica,  # DDP: a share per replica
                                  shuffle=True, seed=args.seed)
@@ -192,10 +240,13 @@ def worker(info, args):
     if rank == 0:
         rank_print(rank, f"{corpus}; {len(train_rows)} training rows of {args.seq_len} tokens; {params:,} parameters")
     global_tokens = replicas * args.batch_size * args.seq_len  # every replica a batch of rows
-    losses, step_seconds, step, epoch, start = [], 0.0, 0, 0, time.perf_counter()
-    while step < args.max_steps:
+    first, epoch, done = position["step"], position["epoch"], position["batches_done"]
+    losses, step_seconds, step, stopped, start = [], 0.0, first, False, time.perf_counter()
+    while step < args.max_steps and not stopped:
         sampler.set_epoch(epoch)  # a new shuffle each pass over the text, the same on every rank
-        for x, y in loader:
+        for i, (x, y) in enumerate(loader):
+            if i < done:  # resumed mid-pass: the same shuffle, less the batches already trained on
+                continue
             begun = hardware.clock(device)
             x, y = x.to(device), y.to(device)
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -206,25 +257,36 @@ def worker(info, args):
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # DIST: the norm over every rank's pieces
             optimizer.step()
             scheduler.step()
-            step_seconds += (hardware.clock(device) - begun) if step else 0.0  # step 1 is not timed
-            reported = loss.detach().clone()
-            dist.all_reduce(reported, op=dist.ReduceOp.AVG)  # DIST: the global batch's loss (a row's ranks agree)
+            step_seconds += (hardware.clock(device) - begun) if step > first else 0.0  # a run's first step: untimed
+            status = torch.stack([loss.detach(), torch.tensor(float(stop_signal is not None), device=device)])
+            dist.all_reduce(status)  # DIST: one all_reduce a step: the losses and the stop requests, summed
+            reported = status[0] / world_size  # the global batch's loss (a row's ranks agree)
             losses.append(reported)
             step += 1
             if writer:
                 writer.add_scalar("train/loss", reported.item(), step)
                 whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor when sharded
                 writer.add_scalar("train/grad_norm", whole.item(), step)
-            if step == args.max_steps:
+            stopped = status[1].item() > 0  # DIST: a rank was asked to stop: all stop after this step
+            end = stopped or step == args.max_steps
+            if stopped or (args.checkpoint_every and (end or step % args.checkpoint_every == 0)):
+                save_checkpoint(epoch + (i + 1 == len(loader)), (i + 1) % len(loader))  # the position after this batch
+            if end:
                 break
-        epoch += 1
+        epoch, done = epoch + 1, 0
+    saves.wait()  # DIST: rank 0 publishes the last checkpoint once every rank has written its part
+    if stopped:  # a stopped run writes no results, only its checkpoint
+        rank_print(rank, f"stopped after step {step} by a stop signal (SIGUSR1 or SIGTERM): checkpoint in "
+                         f"{args.checkpoint_dir}; the same command with --resume goes on from it")
+        dist.destroy_process_group()
+        return
     seconds = time.perf_counter() - start
     held = held_out_loss(model, held_rows, args, device)
-    timed_steps = max(step - 1, 1)
-    tokens_per_second = global_tokens * (step - 1) / step_seconds / world_size if step > 1 else 0.0  # per rank
+    timed_steps = max(step - first - 1, 1)
+    tokens_per_second = global_tokens * (step - first - 1) / step_seconds / world_size if step > first + 1 else 0.0
     mfu = tokens_per_second * per_token / peak_flops
-    losses = torch.stack(losses).tolist()
-    rank_print(rank, f"{step} steps in {seconds:.1f} s; {peak}")
+    losses = position["losses"] + (torch.stack(losses).tolist() if losses else [])
+    rank_print(rank, f"{step - first} steps in {seconds:.1f} s; {peak}")
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # DIST
     if rank == 0:  # DIST: one process writes the outputs and samples from the whole model
         whole = GPT(**gpt_sizes(args))
@@ -282,7 +344,7 @@ def build_parser():
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: one GPU per rank when CUDA is available, else the CPU")
     p.add_argument("--quick", action="store_true", help="laptop mode: 40 steps, a 60-byte sample")
-    return add_gpt_args(p)
+    return ckpt.add_args(add_gpt_args(p), every=None, extras=False)  # lesson 16's --checkpoint-every, --resume
 
 
 def check(args) -> None:
@@ -303,6 +365,8 @@ def check(args) -> None:
             if n % args.inner:
                 raise cli.CourseError(f"{what} ({n}) does not divide among the --inner {args.inner} tensor-parallel "
                                       f"ranks of a row; choose sizes that {args.inner} divides, or another --inner")
+    replicas = world // args.inner if args.layout == "fsdp-tp" and world > 1 else world
+    ckpt.check(args, world, CHECKPOINT_KEYS, replicas)  # --resume: a complete checkpoint of this model and run
 
 
 if __name__ == "__main__":

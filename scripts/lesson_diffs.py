@@ -26,10 +26,12 @@ LARGER = {
     (18, 19): (135, "the TP plan (with its sequence-parallel variant and the meta-device build) and the collectives "
                     "priced on the mesh's own group (the calls) are the lesson: both written in it"),
     (19, 20): (90, "lesson 19's plans written again (lessons stand alone), and the clip that follows the meshes"),
-    (20, 22): (330, "a new day: text in place of images, a language model's loss, tokens/s and MFU, sampling, and "
-                  "the plan for a whole Llama (embedding, head, sequence parallelism) all change at once"),
-    (22, 23): (300, "lesson 22's loop on weights read from and written to a Hugging Face directory, on masked "
-                  "prompt/response pairs: most of the removed lines are lesson 22's TP plans and throughput going"),
+    (20, 22): (390, "a new day: text in place of images, a language model's loss, tokens/s and MFU, sampling, "
+                  "the plan for a whole Llama (embedding, head, sequence parallelism) and lessons 12 and 16's "
+                  "stop signals and DCP checkpoints, composed, all change at once"),
+    (22, 23): (360, "lesson 22's loop on weights read from and written to a Hugging Face directory, on masked "
+                  "prompt/response pairs: most of the removed lines are lesson 22's TP plans, throughput and "
+                  "checkpoints going"),
 }
 
 

@@ -560,3 +560,35 @@ def _cleanup_stale_sessions() -> None:
             continue
         if not _is_running(owner):
             _teardown(root, root.name.removeprefix(f"{_NAME_PREFIX}-"))
+
+
+def follow_requeue(cluster, job: int, log: str, timeout: float = 400, while_running=None) -> dict:
+    """Wait for the job to end; when it waits in the queue after a requeue, let it start again at once.
+    log: the job's log under the cluster's work dir, "{job}" for its id.  while_running(text of the log so
+    far) is called while the job runs (to signal it).
+
+    A requeued job is held for a while (measured: ~150 s, its BeginTime) before it may start again, as it
+    would wait for a free node on a busy cluster; the test moves its start to now, and gives the second run
+    a longer time limit so that only the first run is signalled."""
+    deadline, log = time.monotonic() + timeout, cluster.workdir / log.format(job=job)
+    released = set()
+    while time.monotonic() < deadline:
+        info = cluster.job_info(job)
+        state, restarts = info.get("JobState"), info.get("Restarts", "0")
+        if state == "PENDING" and restarts != "0" and restarts not in released:
+            cluster.wait_for_idle_nodes(60)
+            time.sleep(1)  # idle in sinfo; give the nodes' last clean-up a moment before the job starts again
+            update = cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now", "TimeLimit=10"])
+            assert update.returncode == 0, update.stderr
+            released.add(restarts)
+        if state == "RUNNING" and while_running:
+            while_running(log.read_text() if log.exists() else "")
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            text = log.read_text() if log.exists() else ""
+            if state != "COMPLETED":  # what Slurm said about it, for the assertion message
+                text += f"\n--- scontrol: {info}\n" + "\n".join(
+                    cluster._log_tail(name, 15) for name in ("slurmctld.log", "slurmd.node1.log", "slurmd.node2.log"))
+            return {**info, "log": text}
+        time.sleep(0.3)
+    cluster.run(["scancel", str(job)])
+    raise AssertionError(f"job {job} did not end within {timeout} s:\n{log.read_text() if log.exists() else ''}")

@@ -19,15 +19,23 @@ Bounds (measured values beside each):
 import importlib.util
 import json
 import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
 import reference_runs
 from catalogue import Runs
-from conftest import PYTHON, REPO, metrics, run
+from conftest import PYTHON, REPO, end_process_tree, environ, metrics, run
+from course.checkpoints import dcp as ckpt
 from course.gpt import GPT
 from course.training.output import load_weights
+from slurm_cluster import follow_requeue
 from data_tools import text
 
 pytestmark = pytest.mark.slow
@@ -35,6 +43,7 @@ LESSON = "day5/22_gpt_pretraining.py"
 SIZES = dict(width=32, depth=2, heads=4, hidden=64)
 FP32_LAYOUTS = ["fsdp2", "fsdp4", "fsdp-tp 1x2", "fsdp-tp 2x2", "checkpointed", "compiled"]
 EQUAL = 1e-5
+RESUMABLE = (*reference_runs.GPT, "--batch-size", "8", "--max-steps", "60")  # as "22: fsdp2, 60 steps"
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +181,107 @@ def test_the_loss_curve_is_in_tensorboard(runs):
     logged = [e.value for e in events.Scalars("train/loss")]
     assert logged == pytest.approx(metrics(run_dir)["loss_per_step"], rel=1e-6)
     assert [e.value for e in events.Scalars("heldout/loss")] == pytest.approx([metrics(run_dir)["heldout_loss"]])
+
+
+# ------------------------------------------------------------------- stopped by a signal, resumed from DCP
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """60 steps at 2 ranks, a checkpoint every 4; SIGUSR1 to ONE rank once the first is published (what srun
+    passes on from `sbatch --signal`): the other rank learns of it only through the all_reduce after each step.  Returns
+    the run dir, the step it stopped after and its output; a copy of its checkpoints is kept for the resharding
+    test (the resume below writes into the original)."""
+    run_dir = tmp_path_factory.mktemp("22-stopped")
+    cmd = [PYTHON, LESSON, *RESUMABLE, "--nproc", "2", "--checkpoint-every", "4", "--run-dir", run_dir]
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=environ(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # rank 0 names each checkpoint it publishes
+            lines.append(line)
+            if re.match(r"\[rank 0\] checkpoint \S+ \(step 4\)", line):
+                break
+        ranks = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()  # forked by the launcher
+        assert len(ranks) == 2, (ranks, lines)
+        os.kill(int(ranks[-1]), signal.SIGUSR1)
+        out = "".join(lines) + proc.communicate(timeout=240)[0]
+    finally:
+        end_process_tree(proc.pid)
+    assert proc.returncode == 0, out
+    stop = int(re.search(r"^\[rank 0\] stopped after step (\d+) by a stop signal", out, re.M).group(1))
+    shutil.copytree(run_dir / "checkpoints", run_dir.parent / "22-stopped-checkpoints")
+    return run_dir, stop, out
+
+
+def test_a_signal_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint(stopped):
+    run_dir, stop, out = stopped
+    assert 4 <= stop < 60, out  # it stopped before the end
+    assert f"[rank 1] stopped after step {stop} " in out, out  # both ranks, after the same step
+    assert not (run_dir / "metrics.json").exists()  # a stopped run writes no results, only its checkpoint
+    newest, info = ckpt.newest(run_dir / "checkpoints")
+    assert newest.name == f"step-{stop:09d}" and info["step"] == stop and len(info["losses"]) == stop
+    assert info["world_size"] == 2 and info["global_batch_size"] == 16
+    assert len(ckpt.final_dirs(run_dir / "checkpoints")) <= 2  # --keep 2: the periodic ones rotated
+    assert ckpt.share_intact(newest, info, 0, 1)  # every file's sha256 as complete.json records it
+
+
+def test_resumed_at_the_same_ranks_it_ends_bit_for_bit_as_the_uninterrupted_run(stopped, runs):
+    run_dir, stop, _ = stopped
+    reference, _ = runs["fsdp2, 60 steps"]
+    out = run([PYTHON, LESSON, *RESUMABLE, "--nproc", "2", "--checkpoint-every", "4", "--run-dir", run_dir,
+               "--resume"]).stdout
+    assert f"resumed from {run_dir / 'checkpoints' / f'step-{stop:09d}'} (saved by 2 ranks): step {stop}" in out, out
+    ours, theirs = load_weights(run_dir / "model.pt"), load_weights(reference / "model.pt")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert metrics(run_dir)["loss_per_step"] == metrics(reference)["loss_per_step"]  # the stopped run's too
+    assert metrics(run_dir)["steps"] == 60 and metrics(run_dir)["sample"] == metrics(reference)["sample"]
+
+
+def test_resumed_on_a_2x2_mesh_the_checkpoint_is_resharded_and_trains_on_alike(stopped, runs, tmp_path):
+    """DCP reads, for each rank's pieces of the 2-D mesh, the rows of the 1-D FSDP2 shards that hold them."""
+    run_dir, stop, _ = stopped
+    reference, _ = runs["fsdp2, 60 steps"]
+    out = run([PYTHON, LESSON, *RESUMABLE, "--nproc", "4", "--layout", "fsdp-tp", "--run-dir", tmp_path,
+               "--checkpoint-dir", run_dir.parent / "22-stopped-checkpoints", "--resume"]).stdout
+    assert f"(saved by 2 ranks): step {stop}" in out, out
+    diff = relative(vector(tmp_path), vector(reference))
+    print(f"stopped after step {stop} at 2 ranks, resumed on a 2 x 2 mesh: weights {diff:.1e} from uninterrupted")
+    assert 0 < diff <= EQUAL, diff  # not bitwise (the sums come in another order), within float32 rounding
+    assert metrics(tmp_path)["layout"] == "fsdp-tp" and metrics(tmp_path)["replicas"] == 2
+
+
+@pytest.mark.slurm
+def test_on_slurm_the_launcher_passes_the_signal_on_requeues_and_the_job_resumes(slurm_cluster, runs):
+    """slurm/22_gpt_pretraining.sh on the two-node Slurm, one rank per node (--layout fsdp: the 2-rank run).
+    SIGUSR1 to the batch script (what --signal=B:USR1@120 sends; here by scancel once step 4's checkpoint is
+    published): the trap passes it on through srun, the ranks stop after the same step with a checkpoint, the
+    script requeues the job, and the second run (same job id) resumes and ends with the uninterrupted weights."""
+    reference, _ = runs["fsdp2, 60 steps"]
+    run_dir = slurm_cluster.workdir / "lesson22-requeue"
+    (slurm_cluster.workdir / "logs").mkdir(exist_ok=True)  # the launcher's --output=logs/%x-%j.out
+    done = slurm_cluster.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1",
+                              "--time=10", f"--export=ALL,COURSE_REPO={REPO},OMP_NUM_THREADS=1",
+                              str(REPO / "slurm/22_gpt_pretraining.sh"), *RESUMABLE, "--layout", "fsdp",
+                              "--checkpoint-every", "4", "--run-dir", str(run_dir)], timeout=60)
+    assert done.returncode == 0, done.stderr
+    job, signalled = int(done.stdout.strip().split(";")[0]), []
+
+    def signal_after_step_4(log):
+        if not signalled and re.search(r"^\[rank 0\] checkpoint \S+ \(step 4\)", log, re.M):
+            sent = slurm_cluster.run(["scancel", "--batch", "--signal=USR1", str(job)])
+            assert sent.returncode == 0, sent.stderr
+            signalled.append(True)
+
+    info = follow_requeue(slurm_cluster, job, "logs/22_gpt_pretraining-{job}.out", while_running=signal_after_step_4)
+    log = info["log"]
+    assert signalled and info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
+    assert "run 1 of job" in log and "run 2 of job" in log and f"requeueing job {job}" in log, log
+    stop = int(re.search(r"^\[rank 0\] stopped after step (\d+) by a stop signal", log, re.M).group(1))
+    assert 4 <= stop < 60 and f"[rank 1] stopped after step {stop} " in log, log
+    assert f"(saved by 2 ranks): step {stop}" in log, log
+    ours, theirs = load_weights(run_dir / "model.pt"), load_weights(reference / "model.pt")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs), log
+    assert metrics(run_dir)["loss_per_step"] == metrics(reference)["loss_per_step"]
 
 
 # ------------------------------------------------------------------------ the text, packed (in this process)

@@ -22,11 +22,13 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, environ, metrics, run
+from slurm_cluster import follow_requeue
 
 pytestmark = pytest.mark.slow
 
 LESSON = REPO / "day2" / "12_ddp_fault_tolerance.py"
 LAUNCHER = REPO / "slurm" / "12_ddp_fault_tolerance.sh"
+LOG = "logs/12_ddp_fault_tolerance-{job}.out"  # the launcher's --output, in the cluster's work dir
 STEPS = 50  # 2 epochs x 1600 samples / (2 ranks x 32)
 TRAIN = ["--train-samples", "1600", "--epochs", "2", "--batch-size", "32", "--seed", "5",
          "--checkpoint-every", "7", "--log-every", "1"]
@@ -370,36 +372,6 @@ def submit(cluster, *sbatch_options, args, env=""):
     return int(done.stdout.strip().split(";")[0])
 
 
-def follow_requeue(cluster, job: int, timeout: float = 400, while_running=None) -> dict:
-    """Wait for the job to end; when it waits in the queue after a requeue, let it start again at once.
-
-    A requeued job is held for a while (measured: ~150 s, its BeginTime) before it may start again, as it
-    would wait for a free node on a busy cluster; the test moves its start to now, and gives the second run
-    a longer time limit so that only the first run is signalled."""
-    deadline, log = time.monotonic() + timeout, cluster.workdir / "logs" / f"12_ddp_fault_tolerance-{job}.out"
-    released = set()
-    while time.monotonic() < deadline:
-        info = cluster.job_info(job)
-        state, restarts = info.get("JobState"), info.get("Restarts", "0")
-        if state == "PENDING" and restarts != "0" and restarts not in released:
-            cluster.wait_for_idle_nodes(60)
-            time.sleep(1)  # idle in sinfo; give the nodes' last clean-up a moment before the job starts again
-            update = cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now", "TimeLimit=10"])
-            assert update.returncode == 0, update.stderr
-            released.add(restarts)
-        if state == "RUNNING" and while_running:
-            while_running(log.read_text() if log.exists() else "")
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
-            text = log.read_text() if log.exists() else ""
-            if state != "COMPLETED":  # what Slurm said about it, for the assertion message
-                text += f"\n--- scontrol: {info}\n" + "\n".join(
-                    cluster._log_tail(name, 15) for name in ("slurmctld.log", "slurmd.node1.log", "slurmd.node2.log"))
-            return {**info, "log": text}
-        time.sleep(0.3)
-    cluster.run(["scancel", str(job)])
-    raise AssertionError(f"job {job} did not end within {timeout} s:\n{log.read_text() if log.exists() else ''}")
-
-
 @pytest.mark.slurm
 def test_slurm_signal_before_the_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, reference):
     """sbatch --time=3 --signal=B:USR1@170: Slurm may signal the batch script from 10 s after the start on (it
@@ -412,7 +384,7 @@ def test_slurm_signal_before_the_time_limit_checkpoints_requeues_and_resumes(slu
     run_dir = slurm_cluster.workdir / "lesson12-time-limit"
     job = submit(slurm_cluster, "--time=3", "--signal=B:USR1@170",
                  args=[*TRAIN, "--step-sleep", "2.4", "--run-dir", run_dir])
-    info = follow_requeue(slurm_cluster, job)
+    info = follow_requeue(slurm_cluster, job, LOG)
     log = info["log"]
     print("\n".join(line for line in log.splitlines()
                     if re.search(r"==== |SIGUSR1|requeueing|^run \d|resuming|stopped after|steps, ", line)))
@@ -443,7 +415,7 @@ def test_slurm_torchrun_passes_sigusr1_on_and_the_job_resumes(slurm_cluster, ref
             assert sent.returncode == 0, sent.stderr
             signalled.append(time.monotonic())
 
-    info = follow_requeue(slurm_cluster, job, while_running=signal_after_step_5)
+    info = follow_requeue(slurm_cluster, job, LOG, while_running=signal_after_step_5)
     log = info["log"]
     assert signalled and info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
     assert "--signals-to-handle=...,SIGUSR1" in log and f"requeueing job {job}" in log
@@ -472,7 +444,7 @@ def test_slurm_a_killed_rank_ends_the_job_and_names_it(slurm_cluster, dataset):
             os.kill(pids[1][0], signal.SIGKILL)
             killed.append(time.monotonic())
 
-    info = follow_requeue(slurm_cluster, job, while_running=kill_rank1_after_step_3)
+    info = follow_requeue(slurm_cluster, job, LOG, while_running=kill_rank1_after_step_3)
     seconds = time.monotonic() - killed[0]
     print(f"srun: job ended {seconds:.1f} s after SIGKILL to rank 1 (measured with 0.3 s polling)")
     assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0" and info["Restarts"] == "0", info["log"]

@@ -670,7 +670,10 @@ def check_21_pipeline_parallel(log, work):
 
 
 def check_22_gpt_pretraining(log, work):
-    assert "+ srun --kill-on-bad-exit=1" in log and "22_gpt_pretraining.py --layout fsdp-tp --inner 2 --max-steps 6" in log
+    assert "+ srun --kill-on-bad-exit=1" in log and "run 1 of job" in log, log
+    assert ("22_gpt_pretraining.py --layout fsdp-tp --inner 2 --checkpoint-every 50 --resume if-any --max-steps 6"
+            in log), log
+    assert re.search(r"^\[rank 0\] checkpoint \S+/step-000000006 \(step 6\)", log, re.M), log  # at the end
     assert "mesh 2 x 2 (dp, tp): rows (the 'tp' groups) [0, 1] on node1; [2, 3] on node2: each row inside one node" \
         in log, log
     m = json.loads((work / "runs/22_gpt_pretraining/metrics.json").read_text())

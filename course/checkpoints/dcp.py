@@ -42,6 +42,8 @@ import warnings
 from concurrent.futures import Future
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
 from course.checkpoints.files import fsync_dir, sha256_of, sidecar, write_digest
@@ -64,10 +66,13 @@ def temporary(directory: Path, step: int, token: str) -> Path:
     return Path(directory) / f".step-{step:09d}.{token}.tmp"
 
 
-def settings(args, world_size: int) -> dict:
-    """What complete.json records about the run: the model, the run, the global batch, the world size."""
-    return {"model_args": {k: getattr(args, k) for k in MODEL}, "run": {k: getattr(args, k) for k in RUN},
-            "global_batch_size": world_size * args.batch_size, "world_size": world_size}
+def settings(args, world_size: int, keys=(MODEL, RUN), replicas=None) -> dict:
+    """What complete.json records about the run: the model, the run, the global batch, the world size.
+    keys: the flags that name the model and the run (lesson 16's by default); replicas: the data-parallel
+    replicas a global batch is split among (all the ranks unless a mesh has a tensor-parallel dimension)."""
+    value = lambda k: str(getattr(args, k)) if isinstance(getattr(args, k), Path) else getattr(args, k)  # noqa: E731
+    return {"model_args": {k: value(k) for k in keys[0]}, "run": {k: value(k) for k in keys[1]},
+            "global_batch_size": (replicas or world_size) * args.batch_size, "world_size": world_size}
 
 
 _staged_seconds = {}  # checkpoint directory -> how long async_save's copy took (Writer.stage), until read
@@ -222,14 +227,39 @@ def require_intact(chosen: list, resume, directory: Path, rank: int) -> None:
         raise SystemExit(1)
 
 
+def newest_intact(directory: Path, resume, rank: int, world_size: int, device) -> list:
+    """Every rank: lesson 16's choice of the checkpoint to resume from, for a lesson that composes it (22).
+
+    Rank 0 lists the published checkpoints (with --resume) and names this run's temporary directories; every
+    rank hashes its share of each one's files, newest first, and one all_reduce (MIN) of the verdicts tells
+    every rank before any rank loads.  Returns [path or None, rank 0's token, [(path, complete.json), ...]]
+    for Saves; --resume and none intact: one line, the end (require_intact)."""
+    from course.training.output import rank_print
+
+    chosen = [None, None, []]
+    if rank == 0:
+        chosen = [None, str(os.getpid()), published(directory, lambda m: rank_print(0, m)) if resume else []]
+        remove_unfinished(directory)
+    dist.broadcast_object_list(chosen, src=0)
+    for path, saved in chosen[2]:
+        intact = torch.tensor(float(share_intact(path, saved, rank, world_size)), device=device)
+        dist.all_reduce(intact, op=dist.ReduceOp.MIN)
+        if intact.item():
+            chosen[0] = path
+            break
+    require_intact(chosen, resume, directory, rank)
+    return chosen
+
+
 def remove_unfinished(directory: Path) -> None:
     """Rank 0 at the start: the temporary directories of saves that never finished."""
     for tmp in Path(directory).glob(".step-*.tmp"):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def check(args, world_size: int) -> None:
-    """Before any rank starts: the checkpoint directory agrees with --resume, the model and the batch."""
+def check(args, world_size: int, keys=(MODEL, RUN), replicas=None) -> None:
+    """Before any rank starts: the checkpoint directory agrees with --resume, the model and the batch
+    (keys and replicas: as for settings)."""
     from course.launching.cli import CourseError
 
     args.checkpoint_dir = args.checkpoint_dir or args.run_dir / "checkpoints"
@@ -244,7 +274,7 @@ def check(args, world_size: int) -> None:
         if info is None:
             raise CourseError(f"--resume: {directory} holds no complete checkpoint; start a new run without "
                               f"--resume (and another --checkpoint-dir)")
-        mine = settings(args, world_size)
+        mine = settings(args, world_size, keys, replicas)
         differ = [f"--{k.replace('_', '-')} {info['model_args'].get(k)} -> {v}"
                   for k, v in mine["model_args"].items() if info["model_args"].get(k) != v]
         if differ:
@@ -255,7 +285,8 @@ def check(args, world_size: int) -> None:
         if differ:
             raise CourseError(f"the checkpoint in {directory} is of another run ({', '.join(differ)}); resume "
                               f"with the settings it was saved with")
-        at_end = info["epoch"] >= args.epochs or (args.max_steps and info["step"] >= args.max_steps)
+        epochs = getattr(args, "epochs", None)  # lesson 22 counts steps only
+        at_end = (epochs and info["epoch"] >= epochs) or (args.max_steps and info["step"] >= args.max_steps)
         # at the end, its files are hashed here (and every process does it): a damaged one would not be the
         # end, the ranks will skip it and train on from an older one
         if at_end and share_intact(path, info, 0, 1, say=lambda *_: None):
@@ -263,13 +294,14 @@ def check(args, world_size: int) -> None:
                    else f"--epochs {args.epochs}")
             if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:  # once, also under torchrun
                 print(f"nothing to train: the newest checkpoint in {directory} is at step {info['step']} (epoch "
-                      f"{info['epoch']}) and this run ends at {end}; raise it to train on, or --export the "
-                      f"checkpoint", flush=True)
+                      f"{info['epoch']}) and this run ends at {end}; raise it to train on"
+                      f"{', or --export the checkpoint' if hasattr(args, 'export') else ''}", flush=True)
             raise SystemExit(0)
         g = info["global_batch_size"]
         if mine["global_batch_size"] != g:
-            fix = (f"resume at {world_size} ranks with --batch-size {g // world_size}" if g % world_size == 0 else
-                   f"{g} does not divide among {world_size} ranks: resume at a world size that divides {g}")
+            n = replicas or world_size
+            fix = (f"resume at {world_size} ranks with --batch-size {g // n}" if g % n == 0 else
+                   f"{g} does not divide among {n} replicas: resume at a world size that divides {g}")
             raise CourseError(f"the checkpoint in {directory} was trained with global batch {g} "
                               f"({info['world_size']} ranks), this run's is {mine['global_batch_size']}; {fix}")
     elif directory.is_dir() and (final_dirs(directory) or (asked is None and any(directory.glob(".step-*.tmp")))):
@@ -394,18 +426,23 @@ class Saves:
               f"async_save call, {ms(self.waits)} for the previous save to finish", flush=True)
 
 
-def add_args(p):
-    """Lesson 16's checkpoint flags."""
+def add_args(p, every=100, extras=True):
+    """Lesson 16's checkpoint flags (extras: --async-save and --export too); every: --checkpoint-every's
+    default (None: only at a stop signal, and at the end when given)."""
     from course.launching.cli import positive_int
 
-    p.add_argument("--checkpoint-every", type=positive_int, default=100, metavar="STEPS",
-                   help="save a checkpoint every this many steps (and always at the end)")
+    p.add_argument("--checkpoint-every", type=positive_int, default=every, metavar="STEPS",
+                   help="save a checkpoint every this many steps (and always at the end)" if every else
+                        "save a checkpoint every this many steps, and at the end (default: only at a stop "
+                        "signal, SIGUSR1 or SIGTERM)")
     p.add_argument("--checkpoint-dir", type=Path, default=None,
                    help="where the checkpoints go (default: RUN_DIR/checkpoints)")
     p.add_argument("--keep", type=positive_int, default=2, help="checkpoints kept (the newest ones)")
     p.add_argument("--resume", nargs="?", const="yes", default=None, choices=("yes", "if-any"),
                    help="go on from the newest intact checkpoint in --checkpoint-dir, at any world size; "
                         "--resume if-any: start a new run when there is none yet (a job submitted again)")
+    if not extras:
+        return p
     p.add_argument("--async-save", nargs="?", const="thread", default=None, choices=("thread", "process"),
                    help="dcp.async_save: copy the state to CPU memory, then write it while training goes on, in "
                         "a background thread (the default) or a background process per rank")
