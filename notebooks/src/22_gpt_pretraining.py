@@ -175,6 +175,32 @@ md(f"After {m['one']['steps'] * m['one']['tokens_per_step']:,} tokens a byte-lev
       "continues its own way."))
 
 # %% [markdown]
+# ## Stopped, and resumed
+#
+# A job on a cluster ends at its time limit, or is preempted. Here the FSDP2 run is cut in two: the first half
+# (half the `--max-steps`, a checkpoint every third of it) ends with a DCP checkpoint, and the same command with
+# the whole `--max-steps` and `--resume` goes on from it: the model, AdamW's moments, the warm-up's step and the
+# position in the text come back. Under Slurm a signal does the cutting: `slurm/22_gpt_pretraining.sh` passes
+# SIGUSR1 on to the ranks before the time limit, every rank stops after the same step (one `all_reduce` a
+# step tells them), writes its shards, and the job requeues itself.
+
+# %%
+HALF = STEPS // 2
+FSDP = [*SIZE, *DEVICE, *ARGS, "--batch-size", str(GLOBAL // NPROC), "--nproc", str(NPROC),
+        "--checkpoint-every", str(max(HALF // 3, 1)), "--run-dir", RUN / "halves"]
+run_lesson("day5/22_gpt_pretraining.py", *FSDP, "--max-steps", str(HALF))
+run_lesson("day5/22_gpt_pretraining.py", *FSDP, "--resume")
+halves, whole = (load_weights(REPO / RUN / k / "model.pt") for k in ("halves", "fsdp"))
+same = halves.keys() == whole.keys() and all(torch.equal(halves[k], whole[k]) for k in whole)
+losses_same = read_json(RUN / "halves" / "metrics.json")["loss_per_step"] == m["fsdp"]["loss_per_step"]
+md(f"Stopped after step {HALF} and resumed, the run ends with "
+   + ("the same weights as the uninterrupted FSDP2 run, bit for bit" if same else "weights that differ from the "
+      "uninterrupted run's")
+   + (", and the same loss at every step." if losses_same else ", and other losses.")
+   + " Resumed at another world size or on the 2-D mesh, DCP reshards the checkpoint: the run trains on alike, to "
+     "float32 rounding (the sums come in another order).")
+
+# %% [markdown]
 # ## Try it yourself
 #
 # Solutions, with the commands and what they print: [`solutions/22_gpt_pretraining.md`](../solutions/22_gpt_pretraining.md).
