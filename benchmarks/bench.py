@@ -19,7 +19,8 @@ fsdp (lesson 15's FSDP2 against DDP at 2 and 4 ranks: bytes per rank and step ti
 distributed checkpoints against torch.save on rank 0: save and load MB/s, the save's stall per step), memory
 (the measured peak of a step: lesson 14 with and without checkpointing, lesson 15's FSDP2 against DDP),
 parallel (lessons 18-20: what each rank holds of the layers tensor parallelism and 2-D meshes cut, the
-all_reduce's bus bandwidth, TP's step against DDP's).
+all_reduce's bus bandwidth, TP's step against DDP's), gpt (lesson 22 run as a learner runs it: tokens/s per
+rank and MFU, one process against FSDP2 at 2 ranks, the memory each holds; the Hugging Face export's cost).
 """
 import os
 import platform
@@ -99,12 +100,12 @@ def run(args):
             "size": "smoke" if args.smoke else "large" if args.large else "default"}
     print(meta_line(meta), flush=True)
 
-    from benchmarks import (accumulation, dcp, fsdp, grad_sync, hdf5_stream, input_pipeline, memory, parallel,
-                            precision, startup, training)
+    from benchmarks import (accumulation, dcp, fsdp, gpt, grad_sync, hdf5_stream, input_pipeline, memory,
+                            parallel, precision, startup, training)
 
     modules = {"input": input_pipeline, "hdf5": hdf5_stream, "sync": grad_sync, "train": training,
                "startup": startup, "precision": precision, "accumulation": accumulation, "fsdp": fsdp, "dcp": dcp,
-               "memory": memory, "parallel": parallel}
+               "memory": memory, "parallel": parallel, "gpt": gpt}
     rows, seconds = [], {}
     for name in args.sections:
         start = time.perf_counter()

@@ -23,7 +23,7 @@ from course.launching.supervise import before_init_process_group, start_method
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("input", "hdf5", "sync", "train", "startup", "precision", "accumulation", "fsdp", "dcp", "memory",
-            "parallel")
+            "parallel", "gpt")
 
 
 @dataclass

@@ -38,6 +38,7 @@ CPU_GOALS = {
     *(f"vit w32 d2, 2 x 2 mesh: cut parameter bytes on all ranks, {layout} (lesson 20)" for layout in ("fsdp-tp", "hsdp")),
     *(f"pipeline bubble, p = {p} stages, m = {m}, {schedule}, 5 ms per stage forward (lesson 21)"
       for p in (2, 4) for schedule, m in (("gpipe", p), ("1f1b", 2 * p))),
+    "gpt w32 d2, 16 rows of 32 tokens a step: held as step 3 began per rank, FSDP2 over 2 ranks",
 }
 # goals on counted bytes: met at any size and load (the --smoke run's too)
 EXACT_GOALS = {name for name in CPU_GOALS if "cut parameter bytes" in name}
@@ -82,6 +83,10 @@ def test_smoke_run_writes_csv_table_and_plot_with_finite_ratios(dataset, tmp_pat
                          "the copy inside that call (the Writer's stage()), process executor"):
             assert f"vit w32 d2, {w} ranks: {measured}" in names
 
+    # lesson 22 as a learner runs it, one process against FSDP2, and the Hugging Face export against torch.save
+    for measured in ("tokens/s per rank, FSDP2 over 2 ranks (lesson 22 --nproc 2)", "MFU, FSDP2 over 2 ranks"):
+        assert f"gpt w32 d2, 16 rows of 32 tokens a step: {measured}" in names
+    assert any(n.endswith("export, Hugging Face directory (safetensors, config.json, SHA256SUMS)") for n in names)
     # lesson 13's --compile: the compiled step against the eager one, and the seconds the compiling took
     compiled = [r for r in rows if r["name"].endswith("train step in fp32, compiled (backend eager (--smoke))")]
     assert len(compiled) == 1 and compiled[0]["vs"].startswith("the same step eager"), compiled
