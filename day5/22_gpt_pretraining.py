@@ -46,7 +46,8 @@ Lesson 20's loop, on a language model instead of a ViT.  What changes:
   model, AdamW's moments, the schedule's step and the position in the text, and exit 0; --checkpoint-every
   saves one every so many steps as well, and at the end.  --resume goes on from the newest intact one, at any
   world size and either layout (DCP reshards): at the same ranks and layout the weights end bit for bit as
-  without the stop.  slurm/22_gpt_pretraining.sh requeues the job when the signal came.
+  without the stop.  A signal during the last step changes nothing: the run ends as usual, results written.
+  slurm/22_gpt_pretraining.sh requeues the job when the signal came.
 --batch-size is rows per data-parallel replica; the global batch is replicas x --batch-size rows of --seq-len
 tokens.  AdamW with a linear warm-up (--warmup-steps) then a constant --lr; gradients clipped to norm 1.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
@@ -267,7 +268,7 @@ def worker(info, args):
                 writer.add_scalar("train/loss", reported.item(), step)
                 whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor when sharded
                 writer.add_scalar("train/grad_norm", whole.item(), step)
-            stopped = status[1].item() > 0  # DIST: a rank was asked to stop: all stop after this step
+            stopped = status[1].item() > 0 and step < args.max_steps  # DIST: a rank was asked: all stop here
             end = stopped or step == args.max_steps
             if stopped or (args.checkpoint_every and (end or step % args.checkpoint_every == 0)):
                 save_checkpoint(epoch + (i + 1 == len(loader)), (i + 1) % len(loader))  # the position after this batch

@@ -232,7 +232,7 @@ def test_the_export_is_one_ordinary_file_with_the_same_predictions(runs, tmp_pat
     (["--resume", "--checkpoint-dir", "{w4}", "--nproc", "2", "--batch-size", "16"],
      "was trained with global batch 64 (4 ranks), this run's is 32; resume at 2 ranks with --batch-size 32"),
     (["--resume", "--checkpoint-dir", "{w4}", "--nproc", "3", "--batch-size", "16"],
-     "this run's is 48; 64 does not divide among 3 ranks: resume at a world size that divides 64"),
+     "this run's is 48; 64 does not divide among 3 replicas: resume at a world size that divides 64"),
     (["--checkpoint-dir", "{w4}"], "already holds checkpoints; add --resume"),
     (["--resume", "if-any", "--checkpoint-dir", "{torn}"], "already holds checkpoints; none of them is complete"),
     (["--export", "{tmp}/x.pt", "--checkpoint-dir", "{tmp}/none"], "--export: the checkpoint dir {tmp}/none does"),
