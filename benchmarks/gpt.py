@@ -13,16 +13,14 @@
   digest that every later load checks costs.  Best of a few repeats, page cache.
 """
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import REPO, Row
+from benchmarks.common import REPO, Row, best_of
 
 LESSON = REPO / "day5" / "22_gpt_pretraining.py"
 
@@ -30,20 +28,10 @@ LESSON = REPO / "day5" / "22_gpt_pretraining.py"
 def lesson_run(args: list, out: Path, timeout: float = 900) -> dict:
     """The lesson, started as a learner starts it; its metrics.json."""
     cmd = [sys.executable, str(LESSON), *args, "--device", "cpu", "--run-dir", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[1:])} exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
     return json.loads((out / "metrics.json").read_text())
-
-
-def best_seconds(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def export_rows(ctx, sizes: dict, seq: int) -> list:
@@ -57,9 +45,9 @@ def export_rows(ctx, sizes: dict, seq: int) -> list:
     repeats = ctx.pick(1, 3, 5)
     with tempfile.TemporaryDirectory(prefix="bench-gpt-", dir=ctx.out) as tmp:
         tmp = Path(tmp)
-        export = best_seconds(lambda: hf.save_whole(tmp / "hf", state, full, seq), repeats)
-        plain = best_seconds(lambda: torch.save(state, tmp / "model.pt"), repeats)
-        digest = best_seconds(lambda: hf.sha256(tmp / "hf" / "model.safetensors"), repeats)
+        export = best_of(lambda: hf.save_whole(tmp / "hf", state, full, seq), repeats)
+        plain = best_of(lambda: torch.save(state, tmp / "model.pt"), repeats)
+        digest = best_of(lambda: hf.sha256(tmp / "hf" / "model.safetensors"), repeats)
         assert hf.verify_digests(tmp / "hf")  # what a later load checks: the export is intact
     tag = f"gpt w{sizes['width']} d{sizes['depth']}, {mb:.1f} MB:"
     note = f"fp32, best of {repeats}, page cache"
