@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.common import Row, max_over_ranks, spawn
+from benchmarks.common import Row, best_of_each, load_lesson, max_over_ranks, spawn
 from course.measuring import hardware, parallel
 from course.models import ViT, build_stages
 
@@ -86,6 +86,40 @@ def _bubble(rank: int, world: int, cfg: dict, schedule: str, m: int) -> dict:
     return {"busy": clock.busy, "seconds": clock.seconds}
 
 
+def _widths(cfg) -> dict:
+    """Lesson 18's exercise 3 in one process and one thread (a rank's share of this machine's 2 cores): the
+    ViT at width 32 and 64 (depth 2, 4 heads, batch 64, SGD with momentum), the FLOPs of one training step
+    counted as the lesson counts them (FlopCounterMode with its CPU attention formulas), then the steps of
+    both timed in interleaved rounds (common.best_of_each), so that the machine's load hits both alike:
+    {width: (FLOPs a step, best seconds a step)}."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cpu_attention = load_lesson("day4/18_hardware_limits.py").CPU_ATTENTION
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 1, 28, 28, generator=g), torch.randint(0, 10, (64,), generator=g)
+    steps, flops = {}, {}
+    for width in (32, 64):
+        torch.manual_seed(0)
+        model = ViT(7, width, 2, 4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+        def step(model=model, optimizer=optimizer):
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+        with FlopCounterMode(display=False, custom_mapping=cpu_attention) as counting:
+            step()  # also the warm-up
+        flops[width] = counting.get_total_flops()
+        steps[width] = lambda step=step: [step() for _ in range(cfg["steps"])]
+    best = best_of_each(steps, cfg["rounds"] + 2)
+    torch.set_num_threads(threads)
+    return {width: (flops[width], best[width] / cfg["steps"]) for width in steps}
+
+
 def _worker(rank, world, cfg):
     result = {"held": {}}
     layouts = ["tp"] + (["fsdp-tp", "hsdp"] if world == 4 else [])
@@ -126,6 +160,13 @@ def run(ctx):
            "steps": ctx.pick(1, 3, 5), "stage_ms": ctx.pick(5, 40, 40), "pp_steps": ctx.pick(1, 3, 5)}
     model = f"vit w{cfg['width']} d{cfg['depth']}"
     rows = []
+    (f32, s32), (f64, s64) = _widths(cfg).values()
+    rows.append(Row("parallel", "vit d2, batch 64, one thread: GFLOP/s a training step reached at width 64 "
+                    "(lesson 18, exercise 3)", f64 / s64 / 1e9, "GFLOP/s", (f64 / s64) / (f32 / s32),
+                    "width 32 (> 1: the wider model uses the core better)",
+                    note=f"{f64 / f32:.2f}x the FLOPs a step in {s64 / s32:.2f}x the time ({s64 * 1e3:.1f} against "
+                         f"{s32 * 1e3:.1f} ms); best of {cfg['rounds'] + 2} interleaved rounds of {cfg['steps']} "
+                         f"steps").check(">=", 1.0))
     for world in (2, 4):
         r = spawn(_worker, world, cfg)
         for layout, everyone in r["held"].items():

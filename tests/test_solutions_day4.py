@@ -124,7 +124,7 @@ def test_18_2_four_ranks_send_more_per_rank_and_busbw_counts_it(ran):
 
 @solution("18_hardware_limits", 3)
 @pytest.mark.slow
-def test_18_3_a_wider_model_does_more_flops_and_uses_the_core_better(ran):
+def test_18_3_a_wider_model_does_more_flops_a_step_and_reports_how_well_it_used_the_core(ran):
     wide, narrow = commands("18_hardware_limits", 3)
     assert narrow == commands("18_hardware_limits", 1)[0]  # exercise 1's run
     out_wide, out_narrow = ran(wide).stdout, ran(narrow).stdout
@@ -136,12 +136,13 @@ def test_18_3_a_wider_model_does_more_flops_and_uses_the_core_better(ran):
     assert "DDP all_reduces 0.078 MB of gradients per step" in out_narrow
     mw, mn = metrics(ran.tmp / "solutions/18-wide"), metrics(ran.tmp / "solutions/18-sizes")
     assert f"{mw['flops_per_step'] / mn['flops_per_step']:.2f}" == "3.65"
-    reached = {name: m["hfu"] * m["matmul_peak_flops"] / 1e9 for name, m in (("wide", mw), ("narrow", mn))}
-    print(f"GFLOP/s reached: {reached}; HFU {mw['hfu']:.3f} and {mn['hfu']:.3f}")
-    # Each run's HFU is against the peak measured in the same run, a few seconds before its steps: the suite's
-    # load slows both.  The GFLOP/s reached, compared across the two runs, turned once (2.55 against 2.78
-    # GFLOP/s, HFU 0.151 against 0.088): the other tests' load moved between the runs.
-    assert mw["hfu"] > mn["hfu"], (reached, mw["hfu"], mn["hfu"])  # measured 0.269 against 0.101 alone
+    for out, m in ((out_wide, mw), (out_narrow, mn)):
+        assert 0 < m["hfu"] < 1, m  # the steps' FLOP/s against the peak the same run measured
+        assert f"GFLOP/s: HFU vs measured peak {m['hfu']:.3f}" in out
+    # Which width uses the core better is a comparison of times.  Between two runs of a loaded suite it turned
+    # (HFU 0.040 at width 64 against 0.057 at width 32, where the two measured 0.269 and 0.101 alone): the
+    # benchmark's section parallel times both widths in interleaved rounds of one process instead
+    # (tests/test_benchmark.py holds its row).
 
 
 # ------------------------------------------------------------------------------------------ lesson 19
