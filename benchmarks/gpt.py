@@ -7,6 +7,8 @@
   below 1 is the price of sharding where nothing needs it; on GPUs each rank has its own device.
 - memory: what rank 0 held as step 3 began (parameters, gradients, AdamW's two moments), FSDP2's
   against the one process's; the course's goal is at most 1.1 / W of it.
+- memory against the estimate: the peak of step 3 that each run measured on rank 0 against the estimate
+  (course/fit.py) that the lesson printed before its ranks started; the course's goal is within 5%.
 - the export (lessons 22 and 23): a larger GPT's whole state dict (a few MB) written as a Hugging Face directory by
   course/checkpoints/hf.py's save_whole (model.safetensors, config.json and SHA256SUMS, moved into place whole)
   against torch.save of the same tensors, and the SHA-256 of model.safetensors against that save: what the
@@ -86,6 +88,12 @@ def run(ctx):
         Row("gpt", f"{tag} held as step 3 began per rank, FSDP2 over 2 ranks", held["fsdp"] / 2 ** 20, "MB",
             held["fsdp"] / held["one"], "one process (the model whole)",
             note="parameters, gradients, AdamW's two moments; rank 0").check("<=", 1.1 / 2),
+        *(Row("gpt", f"{tag} step 3's peak on rank 0, {what}: measured against course/fit.py's estimate",
+              m["memory"]["peak_bytes"] / 2 ** 20, "MB", m["memory"]["peak_bytes"] / m["memory_estimate"]["peak_bytes"],
+              "the estimate the lesson printed before its ranks started",
+              note=f"estimated {m['memory_estimate']['peak_bytes']:,} bytes, measured {m['memory']['peak_bytes']:,} "
+                   f"(live tensors on the CPU)").check("within", 0.05)
+          for what, m in (("one process", one), ("FSDP2 over 2 ranks", fsdp))),
     ]
     bigger = ctx.pick(small, dict(width=256, depth=4, heads=8, hidden=688), dict(width=512, depth=8, heads=8, hidden=1376))
     return rows + export_rows(ctx, bigger, seq)  # a few MB: a save long enough to time

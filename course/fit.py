@@ -2,8 +2,8 @@ r"""Will it fit?  Memory per rank of a model under each way of splitting it, est
 allocates nothing, and the layout to choose on a cluster of a given shape.
 
     python -m course.fit --model vit --width 32 --depth 4 --heads 4 --gpus-per-node 2 --nodes 2 --gpu-memory 1
-    python -m course.fit --model gpt --layers 32 --width 4096 --heads 32 --vocab 128256 --seq 4096 \
-        --global-batch 64 --gpus-per-node 8 --nodes 8 --gpu-memory 80 --optimizer adamw --precision bf16
+    python -m course.fit --model gpt --layers 32 --width 4096 --heads 32 --hidden 14336 --vocab 128256 \
+        --seq 4096 --global-batch 64 --gpus-per-node 8 --nodes 8 --gpu-memory 80 --optimizer adamw --precision bf16
     python -m course.fit --model gpt --layers 4 --width 256 --heads 8 --vocab 1000 --seq 128 --layout fsdp tp
 
 How: the real model's training step runs, two or three times, as one rank of the whole cluster would run it,
@@ -23,8 +23,10 @@ Each layout is set up as its lesson sets it up: DDP as lesson 13, FSDP2 as lesso
 root), TP as lesson 19 (its plan on every block: tensor_parallel_plan below), FSDP2 x TP and HSDP as
 lesson 20, sequence parallelism (tp-sp) with the block plan of lessons 19 and 20's --sequence-parallel
 (`sequence_parallel_plan` below; the tokens gathered again before the final norm, which the lessons keep
-cut).  One thing the lessons do not have is built here: the GPT-like decoder (`Decoder`: course/models.py's
-Block with causal attention, token and position embeddings and an output layer; day 5's GPT will replace it).
+cut).  The GPT (--model gpt) is day 5's (course/gpt.py, laid out as Hugging Face's Llama); its tensor-parallel
+plans are lesson 22's (`gpt_plans`: tp-sp is lesson 22's fsdp-tp, tp the same cut without sequence
+parallelism), its pipeline stages cut as lesson 21 cuts the ViT.  Day 5's lessons call `for_lesson` before
+any rank starts and print its estimate beside the memory they measure.
 Pipelines: the fake process group's send and recv carry nothing, so each PipelineStage is given the shapes
 it receives and sends (torch 2.14.1 then skips the exchange of shapes between stages, which a fake group
 cannot carry), and torch's own schedule (GPipe or 1F1B) runs on the first stage (which holds the most
@@ -44,6 +46,7 @@ import datetime
 import json
 import logging
 import math
+import os
 import sys
 import time
 import warnings
@@ -60,7 +63,7 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 
 from course.launching.cli import CourseError, Parser, non_negative_float, positive_int
 
-GiB = 2 ** 30
+GiB, MB = 2 ** 30, 2 ** 20  # MB as course/measuring/memory.py prints it
 LAYOUTS = ("ddp", "fsdp", "hsdp", "tp", "tp-sp", "pp")
 WHAT = {"ddp": "DDP: a whole replica on every rank (lesson 13)",
         "fsdp": "FSDP2 over all ranks (lesson 15)",
@@ -76,15 +79,18 @@ FAKE_TIMEOUT = datetime.timedelta(minutes=5)  # the fake group's collectives ret
 @dataclass(frozen=True)
 class Spec:
     """The model, the batch and the training recipe."""
-    model: str = "vit"  # "vit" (course/models.py) or "gpt" (Decoder below)
+    model: str = "vit"  # "vit" (course/models.py) or "gpt" (course/gpt.py)
     width: int = 64
     depth: int = 4
     heads: int = 4
     patch: int = 7  # vit
     vocab: int = 0  # gpt
     seq: int = 0  # gpt
+    hidden: int = 0  # gpt: the MLP's hidden features
     optimizer: str = "sgd"  # "sgd" (momentum, the lessons') or "adamw"
     precision: str = "fp32"  # "bf16": compute in bf16 (FSDP2's MixedPrecisionPolicy, else autocast); fp32 weights
+    autocast: bool = False  # bf16 through autocast alone, under FSDP2 too (day 5's lessons): parameters stay fp32
+    checkpointed: bool = False  # every block's activations recomputed in backward (lesson 14's checkpointing)
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     inner: int = 1  # hsdp: ranks that shard (one node)
+    shard_one_row: bool = False  # tp, tp-sp: FSDP2 over the dp dimension even when it is 1 (lesson 22's fsdp-tp)
     microbatches: int = 1
     schedule: str = "1f1b"
 
@@ -126,32 +133,25 @@ def _block_class():
     return SeqBlock
 
 
-class Decoder(nn.Module):
-    """A GPT-like decoder: token and learned position embeddings, `depth` of course/models.py's blocks with
-    causal attention and an MLP 4x wide, a final norm and an output layer (not tied to the embedding)."""
-
-    def __init__(self, width: int, depth: int, heads: int, vocab: int, seq: int):
-        super().__init__()
-        block = _block_class()
-        self.tokens, self.position = nn.Embedding(vocab, width), nn.Embedding(seq, width)
-        self.blocks = nn.ModuleList(block(width, heads, mlp_ratio=4) for _ in range(depth))
-        for b in self.blocks:
-            b.causal = True
-        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
-
-    def forward(self, ids):
-        x = self.tokens(ids) + self.position.weight[:ids.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-
 def build(spec: Spec) -> nn.Module:
+    from course.gpt import GPT
     from course.models import ViT
 
     if spec.model == "gpt":
-        return Decoder(spec.width, spec.depth, spec.heads, spec.vocab, spec.seq)
+        return GPT(vocab=spec.vocab, width=spec.width, depth=spec.depth, heads=spec.heads, hidden=spec.hidden)
     return ViT(spec.patch, spec.width, spec.depth, spec.heads)
+
+
+def blocks_of(model: nn.Module) -> list:
+    """The model's transformer blocks: the ViT's (or a pipeline stage's) `blocks`, the GPT's `model.layers`."""
+    blocks = model.blocks if hasattr(model, "blocks") else model.model.layers
+    return list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+
+
+def llama_hidden(width: int) -> int:
+    """The GPT's default MLP width: Llama's 8/3 x width, rounded up to a multiple of 4 (172 at width 64: course/gpt.py's
+    default)."""
+    return -(-2 * width // 3) * 4
 
 
 def parameter_count(spec: Spec) -> int:
@@ -181,6 +181,32 @@ def tensor_parallel_plan() -> dict:
 
     return {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
             "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+
+
+def gpt_plans(sequence: bool) -> tuple:
+    """(the plan of a GPT block, the plan of the rest) as lesson 22 (day5/22_gpt_pretraining.py) writes them
+    (BLOCK_PLAN and OUTER_PLAN: torchtitan's for a Llama block) with sequence parallelism (`sequence`: tp-sp,
+    lesson 22's fsdp-tp); without it, the same cut with the activations whole between the TP layers.  Kept in
+    step with the lesson by hand: tests/test_fit.py compares the lesson's measured bytes with these."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    cut = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+           "self_attn.v_proj": ColwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+           "mlp.up_proj": ColwiseParallel()}
+    if not sequence:
+        return ({**cut, "self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()},
+                {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                 "lm_head": ColwiseParallel(output_layouts=Replicate())})
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return ({**cut, "input_layernorm": SequenceParallel(), "self_attn": gather,
+             "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)), "post_attention_layernorm": SequenceParallel(),
+             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))},
+            {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+             "model.norm": SequenceParallel(),
+             "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
 
 
 def sequence_parallel_plan() -> dict:
@@ -240,8 +266,10 @@ def _parallelize(model, spec: Spec, layout: Layout):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 
-    dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
+    dtype = torch.bfloat16 if spec.precision == "bf16" and not spec.autocast else torch.float32
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if layout.name == "one":  # one process: the model whole, nothing wrapped
+        return model
     if layout.name == "fsdp":  # lesson 15: all ranks in a row
         shard_on = init_device_mesh("cpu", (layout.world,))
     elif layout.name == "hsdp":  # lesson 20's hsdp: replicas across the rows, shards inside one (a node)
@@ -249,8 +277,13 @@ def _parallelize(model, spec: Spec, layout: Layout):
                                     mesh_dim_names=("replicate", "shard"))
     else:  # lesson 19 (dp 1) and lesson 20's fsdp-tp: TP inside a row (a node), FSDP2 across the rows
         mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
-        shard_on, tp_mesh = (mesh["dp"] if layout.dp > 1 else None), mesh["tp"]
-    if layout.name in ("tp", "tp-sp"):
+        shard_on, tp_mesh = (mesh["dp"] if layout.dp > 1 or layout.shard_one_row else None), mesh["tp"]
+    if layout.name in ("tp", "tp-sp") and spec.model == "gpt":  # lesson 22's plans
+        block_plan, outer_plan = gpt_plans(layout.name == "tp-sp")
+        for block in blocks_of(model):
+            parallelize_module(block, tp_mesh, block_plan)
+        parallelize_module(model, tp_mesh, outer_plan)
+    elif layout.name in ("tp", "tp-sp"):
         sequence = layout.name == "tp-sp"
         block_class = _block_class()
         for block in model.blocks:
@@ -264,7 +297,7 @@ def _parallelize(model, spec: Spec, layout: Layout):
                 "norm": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
                                            use_local_output=True)})
     if shard_on is not None:
-        for block in model.blocks:
+        for block in blocks_of(model):
             fully_shard(block, mesh=shard_on, mp_policy=policy)
         fully_shard(model, mesh=shard_on, mp_policy=policy)
     return model
@@ -283,7 +316,7 @@ def _optimizer(spec: Spec, params):
 
 def _pipeline_stage(spec: Spec, layout: Layout, stage: int) -> nn.Module:
     """Stage `stage` of `layout.pp` (course/models.py's pipeline_plan for the ViT: consecutive blocks, the first
-    also the embedding, the last also the norm and the head; the decoder cut the same way)."""
+    also the embedding, the last also the norm and the head; the GPT cut the same way)."""
     from course.models import Stage, pipeline_plan
 
     model = build(spec)
@@ -291,24 +324,25 @@ def _pipeline_stage(spec: Spec, layout: Layout, stage: int) -> nn.Module:
     if spec.model == "vit":
         return Stage({name: model.get_submodule(name) if name != "position" else model.position for name in plan})
 
-    class DecoderStage(nn.Module):
+    class GPTStage(nn.Module):  # course/gpt.py's GPT, cut as lesson 21 cuts the ViT
         def __init__(self):
             super().__init__()
             self.first, self.last = stage == 0, stage == layout.pp - 1
             if self.first:
-                self.tokens, self.position = model.tokens, model.position
-            self.blocks = nn.ModuleList(model.get_submodule(n) for n in plan if n.startswith("blocks."))
+                self.embed_tokens = model.model.embed_tokens
+            self.blocks = nn.ModuleList(model.model.layers[int(n.split(".")[1])] for n in plan
+                                        if n.startswith("blocks."))
             if self.last:
-                self.norm, self.head = model.norm, model.head
+                self.norm, self.lm_head = model.model.norm, model.lm_head
 
         def forward(self, x):
             if self.first:
-                x = self.tokens(x) + self.position.weight[:x.shape[1]]
+                x = self.embed_tokens(x)
             for block in self.blocks:
                 x = block(x)
-            return self.head(self.norm(x)) if self.last else x
+            return self.lm_head(self.norm(x)) if self.last else x
 
-    return DecoderStage()
+    return GPTStage()
 
 
 class _WaitReturnsItsInput(TorchDispatchMode):
@@ -330,6 +364,18 @@ class _WaitReturnsItsInput(TorchDispatchMode):
 MEASURED_STEP = {True: 3, False: 2}
 
 
+def _checkpointed(model: nn.Module, spec: Spec) -> nn.Module:
+    """Lesson 14's activation checkpointing on every block, as day 5's lessons wrap it (--checkpoint-activations)."""
+    if spec.checkpointed:
+        from functools import partial
+
+        from torch.utils.checkpoint import checkpoint
+
+        for block in blocks_of(model):
+            block.forward = partial(checkpoint, block.forward, use_reentrant=False)
+    return model
+
+
 def _run(spec: Spec, layout: Layout) -> dict:
     """One fake rank (rank 0): training steps as the layout's lesson runs them, the last measured by
     course/measuring/memory.py's StepPeak.  The lessons' gradient clip is left out: it runs after the backward
@@ -342,17 +388,22 @@ def _run(spec: Spec, layout: Layout) -> dict:
     if layout.name != "ddp":  # split on the meta device, as lesson 15 does: shapes, no memory
         with torch.device("meta"):
             model = build(spec)
+        _checkpointed(model, spec)
         model = _parallelize(model, spec, layout)
     with FakeTensorMode(allow_non_fake_inputs=True), _WaitReturnsItsInput():  # meta parameters become fake ones
-        model = _ddp(build(spec), layout.world) if layout.name == "ddp" else model.to_empty(device=cpu)
+        model = _ddp(_checkpointed(build(spec), spec), layout.world) if layout.name == "ddp" else \
+            model.to_empty(device=cpu)
         optimizer = _optimizer(spec, model.parameters())
         peak = memory.StepPeak(model, optimizer, cpu, at=MEASURED_STEP[layout.name == "ddp"])
-        autocast = spec.precision == "bf16" and layout.name in ("ddp", "tp", "tp-sp") and layout.dp == 1 or \
-            spec.precision == "bf16" and layout.name == "ddp"
+        autocast = spec.precision == "bf16" and (spec.autocast or layout.name in ("ddp", "one") or
+                                                 layout.name in ("tp", "tp-sp") and layout.dp == 1)
         for _ in range(peak.at):
             x, y = batch_of(spec, layout.batch)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = loss_of(model(x), y)
+                logits = model(x)
+                loss = loss_of(logits, y)
+            if spec.model == "vit":  # the ViT lessons: F.cross_entropy(model(x), y), the logits freed with it;
+                del logits  # day 5's keep `logits` to the step's end (as `outputs.logits` in Hugging Face's loops)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -407,14 +458,15 @@ def _run_pipeline(spec: Spec, layout: Layout, stage: int) -> dict:
     mesh = init_device_mesh("cpu", (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
     with torch.device("meta"):
         module = _pipeline_stage(spec, layout, stage)
+    _checkpointed(module, spec)
     if layout.dp > 1:
-        dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
+        dtype = torch.bfloat16 if spec.precision == "bf16" and not spec.autocast else torch.float32
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for block in module.blocks.values() if isinstance(module.blocks, nn.ModuleDict) else module.blocks:
+        for block in blocks_of(module):
             fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
         fully_shard(module, mesh=mesh["dp"], mp_policy=policy)
     micro = layout.batch // layout.microbatches
-    autocast = spec.precision == "bf16" and layout.dp == 1
+    autocast = spec.precision == "bf16" and (layout.dp == 1 or spec.autocast)
     with FakeTensorMode(allow_non_fake_inputs=True), _WaitReturnsItsInput(), _works_hold_their_tensors():
         module = module.to_empty(device=cpu)
         x, y = batch_of(spec, layout.batch)
@@ -422,7 +474,8 @@ def _run_pipeline(spec: Spec, layout: Layout, stage: int) -> dict:
         dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
         # what a stage sends on: under autocast the residual stream stays fp32 (the embeddings and the residual
         # additions are not cast), under FSDP2's bf16 policy the parameters and so the whole stream are bf16
-        hidden = torch.empty(micro, tokens, spec.width, dtype=dtype if layout.dp > 1 else torch.float32)
+        hidden = torch.empty(micro, tokens, spec.width, dtype=dtype if layout.dp > 1 and not spec.autocast
+                             else torch.float32)
         first, last = stage == 0, stage == layout.pp - 1
         example_in = x[:micro] if first else hidden
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -510,13 +563,16 @@ def layouts(spec: Spec, nodes: int, per_node: int, global_batch: int, tp=None, p
     out["fsdp"] = with_batch("fsdp", world)
     out["hsdp"] = (with_batch("hsdp", world, inner=per_node) if nodes > 1 else
                    "one node: HSDP's replicas across nodes would be FSDP2 itself")
-    t = tp or max(d for d in range(1, per_node + 1) if per_node % d == 0 and spec.heads % d == 0)
+    cut = {"heads": spec.heads, **({"MLP's hidden features": spec.hidden, "vocabulary's rows": spec.vocab}
+                                   if spec.model == "gpt" else {})}  # what TP's ranks split evenly
+    t = tp or max(d for d in range(1, per_node + 1) if per_node % d == 0 and all(n % d == 0 for n in cut.values()))
     tokens = spec.seq if spec.model == "gpt" else (28 // spec.patch) ** 2
+    uneven = [f"the {n} {what}" for what, n in cut.items() if n % t]
     for name in ("tp", "tp-sp"):
         if t < 2:
-            out[name] = f"TP needs at least 2 ranks a node whose number divides the {spec.heads} heads"
-        elif per_node % t or spec.heads % t:
-            out[name] = f"TP over {t} ranks: they must divide the {per_node} GPUs of a node and the {spec.heads} heads"
+            out[name] = f"TP needs at least 2 ranks a node whose number divides {' and '.join(f'the {n} {what}' for what, n in cut.items())}"
+        elif per_node % t or uneven:
+            out[name] = f"TP over {t} ranks: they must divide the {per_node} GPUs of a node and {' and '.join(uneven) or f'the {spec.heads} heads'}"
         elif name == "tp-sp" and tokens % t:
             out[name] = f"sequence parallelism over {t} ranks: the {tokens} tokens do not divide among them"
         else:
@@ -603,14 +659,20 @@ def check(args) -> None:
         missing = [f"--{n}" for n in ("vocab", "seq") if not getattr(args, n)]
         if missing:
             raise CourseError(f"--model gpt needs {' and '.join(missing)} (the vocabulary and the sequence length)")
-    elif args.vocab or args.seq:
-        raise CourseError("--vocab and --seq size the GPT-like decoder: use them with --model gpt")
+    elif args.vocab or args.seq or args.hidden:
+        raise CourseError("--vocab, --seq and --hidden size day 5's GPT: use them with --model gpt")
     if args.width % args.heads:
         raise CourseError(f"--width {args.width} is not a multiple of --heads {args.heads}; choose a width such as "
                           f"{args.heads * max(1, round(args.width / args.heads))}")
+    if args.model == "gpt" and (args.width // args.heads) % 2:
+        raise CourseError(f"--width {args.width} over --heads {args.heads} is an odd width per head (rotary "
+                          f"positions turn features in pairs); choose a width such as {args.heads * 16}")
     if args.tp and (args.gpus_per_node % args.tp or args.heads % args.tp):
         raise CourseError(f"--tp {args.tp}: the TP ranks of a node must divide its {args.gpus_per_node} GPUs "
                           f"(--gpus-per-node) and the {args.heads} heads")
+    if args.tp and args.model == "gpt" and (spec_of(args).hidden % args.tp or args.vocab % args.tp):
+        raise CourseError(f"--tp {args.tp}: the TP ranks must also divide the GPT's {spec_of(args).hidden} hidden "
+                          f"features (--hidden) and its {args.vocab} vocabulary rows (--vocab)")
     if args.pp and (args.nodes * args.gpus_per_node) % args.pp:
         raise CourseError(f"--pp {args.pp} does not divide the {args.nodes * args.gpus_per_node} GPUs")
     if args.json is not None:
@@ -630,21 +692,25 @@ def check(args) -> None:
 
 
 def spec_of(args) -> Spec:
-    return Spec(args.model, args.width, args.depth, args.heads, args.patch, args.vocab or 0, args.seq or 0,
-                args.optimizer, args.precision)
+    hidden = (args.hidden or llama_hidden(args.width)) if args.model == "gpt" else 0
+    return Spec(args.model, args.width, args.depth, args.heads, args.patch, args.vocab or 0, args.seq or 0, hidden,
+                args.optimizer, args.precision, checkpointed=args.checkpoint_activations)
 
 
 def build_parser() -> Parser:
     p = Parser(prog="python -m course.fit", description=__doc__.strip().split("\n\n")[0],
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="vit", choices=("vit", "gpt"),
-                   help="vit: the course's ViT (course/models.py); gpt: a GPT-like decoder sized by the flags")
+                   help="vit: the course's ViT (course/models.py); gpt: day 5's GPT (course/gpt.py, Llama's "
+                        "layout) sized by the flags")
     p.add_argument("--width", type=positive_int, default=64, help="token width (a multiple of --heads)")
     p.add_argument("--depth", "--layers", dest="depth", type=positive_int, default=4, help="transformer blocks")
     p.add_argument("--heads", type=positive_int, default=4, help="attention heads per block")
     p.add_argument("--patch", type=int, default=7, choices=(1, 2, 4, 7, 14), help="vit: patch size (7: 16 tokens)")
     p.add_argument("--vocab", type=positive_int, default=None, help="gpt: vocabulary size")
     p.add_argument("--seq", type=positive_int, default=None, help="gpt: sequence length (tokens per sample)")
+    p.add_argument("--hidden", type=positive_int, default=None,
+                   help="gpt: the MLP's hidden features (default: Llama's 8/3 x --width, rounded up to a multiple of 4)")
     p.add_argument("--global-batch", type=positive_int, default=64,
                    help="samples per step over all data-parallel replicas (caps the data-parallel degree)")
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
@@ -665,6 +731,8 @@ def build_parser() -> Parser:
     p.add_argument("--microbatches", type=positive_int, default=None,
                    help="pipeline micro-batches per replica's batch (default: the stages, or the batch if smaller)")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"), help="pipeline schedule")
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute every block's activations in backward (lesson 14) instead of keeping them")
     return p
 
 
@@ -684,7 +752,7 @@ def run(args) -> None:
     world = args.nodes * args.gpus_per_node
     budget = int(args.gpu_memory * GiB * (1 - args.headroom))
     print(f"{spec.model}: {params:,} parameters ({params * 4 / GiB:.2f} GiB in fp32), {spec.optimizer}, "
-          f"{spec.precision}; global batch {args.global_batch}; {args.nodes} node(s) x {args.gpus_per_node} GPUs "
+          f"{spec.precision}{', every block checkpointed' if spec.checkpointed else ''}; global batch {args.global_batch}; {args.nodes} node(s) x {args.gpus_per_node} GPUs "
           f"of {args.gpu_memory:g} GiB ({budget / GiB:.2f} GiB usable a GPU, headroom {args.headroom:g})", flush=True)
     plans = layouts(spec, args.nodes, args.gpus_per_node, args.global_batch, args.tp, args.pp, args.microbatches,
                     args.schedule)
@@ -716,6 +784,71 @@ def run(args) -> None:
         if name in why:
             print(f"  not {name}: {why[name]}")
     print("not counted: CUDA context (hundreds of MB a GPU), NCCL buffers, allocator fragmentation", flush=True)
+
+
+def for_lesson(args, sizes: dict, vocab: int, layout: str, world: int, inner: int = 1) -> dict:
+    """Memory before the queue, for day 5's lessons (22 and 23): in the process that will be rank 0, before any
+    rank starts, rank 0's bytes in the lesson's model (course/gpt.py's GPT of `sizes`, `vocab` rows) and layout
+    ("fsdp", or lesson 22's "fsdp-tp" on rows of `inner`; one process when `world` is 1) with its batch
+    (args.batch_size rows of args.seq_len tokens per replica), AdamW, bf16 through autocast if asked, its
+    blocks checkpointed if asked: printed in one line, and returned as StepPeak's result keys (for metrics.json
+    and `against`).  None in every other rank's process (torchrun and srun start each rank's)."""
+    from course.launching.environment import detect_launcher
+
+    launcher = detect_launcher(args)
+    if launcher != "self" and os.environ.get("RANK" if launcher == "torchrun" else "SLURM_PROCID") != "0":
+        return None
+    spec = Spec("gpt", sizes["width"], sizes["depth"], sizes["heads"], vocab=vocab, seq=args.seq_len,
+                hidden=sizes["hidden"], optimizer="adamw", precision=getattr(args, "precision", "fp32"), autocast=True,
+                checkpointed=bool(getattr(args, "checkpoint_activations", False)))
+    if world == 1:
+        plan = Layout("one", 1, args.batch_size)
+    elif layout == "fsdp-tp":
+        plan = Layout("tp-sp", world, args.batch_size, tp=inner, shard_one_row=True)
+    else:
+        plan = Layout("fsdp", world, args.batch_size)
+    if launcher == "self":  # this process starts the ranks and joins no process group itself
+        e = estimate(spec, plan)
+    else:  # this process becomes rank 0: nothing of a fake run (its fake groups) may stay in it
+        e = _estimate_in_a_fresh_process(spec, plan)
+        if isinstance(e, str):
+            print(f"memory of rank 0 not estimated ({e})", flush=True)
+            return None
+    b = e.bytes
+    eager = " (run eagerly: what torch.compile changes is not estimated)" if getattr(args, "compile", False) else ""
+    print(f"memory of rank 0, estimated before any rank starts (course/fit.py: this step on fake tensors, "
+          f"{e.seconds:.1f} s): {b['held_before'] / MB:.3f} MB held as a step begins, at most "
+          f"{b['peak_above'] / MB:.3f} MB more during it: peak {b['peak'] / MB:.3f} MB{eager}", flush=True)
+    return {"held_before_bytes": b["held_before"], "peak_above_bytes": b["peak_above"], "peak_bytes": b["peak"],
+            "layout": asdict(plan)}
+
+
+def _estimate_in_a_fresh_process(spec: Spec, layout: Layout):
+    """estimate() in a new Python process (the rank's own stays untouched): an Estimate, or the reason it failed."""
+    import subprocess
+
+    code = ("import json, sys\nfrom dataclasses import asdict\nfrom course.fit import Layout, Spec, estimate\n"
+            "given = json.loads(sys.stdin.read())\n"
+            "e = estimate(Spec(**given['spec']), Layout(**given['layout']))\n"
+            "print(json.dumps({'bytes': e.bytes, 'seconds': e.seconds}))\n")
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))}
+    done = subprocess.run([sys.executable, "-c", code], input=json.dumps({"spec": asdict(spec), "layout": asdict(layout)}),
+                          capture_output=True, text=True, env=env)
+    if done.returncode:
+        return (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    return Estimate(layout, got["bytes"], got["seconds"])
+
+
+def against(estimated, peak, rank: int) -> str:
+    """` (course/fit.py estimated X MB before the run: measured / estimated r)`, for rank 0's line that prints
+    StepPeak's measurement (the estimate is rank 0's); empty on other ranks and where either is missing."""
+    measured = peak.result()["peak_bytes"]
+    if rank != 0 or not estimated or not measured:
+        return ""
+    return (f" (course/fit.py estimated {estimated['peak_bytes'] / MB:.3f} MB before the run: measured / estimated "
+            f"{measured / estimated['peak_bytes']:.3f})")
 
 
 def main(argv=None) -> None:

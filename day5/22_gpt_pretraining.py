@@ -48,6 +48,9 @@ Lesson 20's loop, on a language model instead of a ViT.  What changes:
   world size and either layout (DCP reshards): at the same ranks and layout the weights end bit for bit as
   without the stop.  A signal during the last step changes nothing: the run ends as usual, results written.
   slurm/22_gpt_pretraining.sh requeues the job when the signal came.
+- Memory before the queue: before any rank starts, day 4's "will it fit?" (course/fit.py) runs this model's
+  step, in this layout with this batch, on fake tensors (nothing allocated) and prints rank 0's bytes; the
+  line with the measured step at the end gives the two side by side.
 --batch-size is rows per data-parallel replica; the global batch is replicas x --batch-size rows of --seq-len
 tokens.  AdamW with a linear warm-up (--warmup-steps) then a constant --lr; gradients clipped to norm 1.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
@@ -85,6 +88,7 @@ from course.launching import cli
 from course.launching.launch import backend_for, launch, mesh_timeouts, setup_device
 from course.checkpoints import dcp as ckpt
 from course.checkpoints import hf
+from course import fit
 from course.gpt import GPT, add_gpt_args, check_gpt_args, gpt_parts, gpt_sizes
 from course.measuring import hardware, memory, parallel, throughput
 from course.training.output import plot_curves, rank_print, save_weights, write_json
@@ -287,7 +291,7 @@ def worker(info, args):
     tokens_per_second = global_tokens * (step - first - 1) / step_seconds / world_size if step > first + 1 else 0.0
     mfu = tokens_per_second * per_token / peak_flops
     losses = position["losses"] + (torch.stack(losses).tolist() if losses else [])
-    rank_print(rank, f"{step - first} steps in {seconds:.1f} s; {peak}")
+    rank_print(rank, f"{step - first} steps in {seconds:.1f} s; {peak}{fit.against(args.estimate, peak, rank)}")
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # DIST
     if rank == 0:  # DIST: one process writes the outputs and samples from the whole model
         whole = GPT(**gpt_sizes(args))
@@ -307,7 +311,8 @@ def worker(info, args):
             "parameters": params, "embedding_parameters": embedding, "flops_per_token": per_token,
             "steps": step, "train_seconds": seconds, "step_seconds": step_seconds / timed_steps,
             "tokens_per_second_per_rank": tokens_per_second, "peak_flops": peak_flops, "peak_flops_from": peak_from,
-            "mfu": mfu, "loss_per_step": losses, "heldout_loss": held, "sample": sampled, "memory": peak.result()})
+            "mfu": mfu, "loss_per_step": losses, "heldout_loss": held, "sample": sampled, "memory": peak.result(),
+            "memory_estimate": args.estimate})
         save_weights(run / "model.pt", full)
         hf.save_whole(run / "hf", full, gpt_sizes(args), args.seq_len)  # Hugging Face's format: lesson 23 reads it
         plot_curves(run / "loss.png", {f"{args.layout if world_size > 1 else 'one process'}, {world_size} ranks":
@@ -370,5 +375,12 @@ def check(args) -> None:
     ckpt.check(args, world, CHECKPOINT_KEYS, replicas)  # --resume: a complete checkpoint of this model and run
 
 
+def estimate(args) -> None:
+    """Memory before the queue: rank 0's bytes, estimated by course/fit.py in the process that starts rank 0."""
+    world = memory.world_size_of(args)
+    args.estimate = fit.for_lesson(args, gpt_sizes(args), text.VOCAB, args.layout, world,
+                                   args.inner if args.layout == "fsdp-tp" else 1)
+
+
 if __name__ == "__main__":
-    cli.main(lambda args: (check(args), launch(worker, args)), build_parser())
+    cli.main(lambda args: (check(args), estimate(args), launch(worker, args)), build_parser())

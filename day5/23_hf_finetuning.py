@@ -29,6 +29,8 @@ Lesson 22's loop, on weights somebody else trained.  What changes:
   `transformers` loads (AutoModelForCausalLM.from_pretrained), with config.json and SHA256SUMS.
 - A sample: the fine-tuned model answers a held-out question, byte by byte (the most likely byte each time),
   every rank running the same sharded forward.
+- Memory before the queue, as in lesson 22: course/fit.py estimates rank 0's bytes in this model and layout
+  before any rank starts; the line with the measured step at the end gives the two side by side.
 --batch-size is rows (pairs) per rank.  AdamW with a constant --lr; gradients clipped to norm 1.
 Tags: `# DDP:` what makes training data-parallel; `# DIST:` any other torch.distributed line.
 """
@@ -54,6 +56,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from torch.utils.tensorboard import SummaryWriter
 
+from course import fit
 from course.checkpoints import hf
 from course.gpt import GPT
 from course.launching import cli
@@ -178,7 +181,7 @@ def worker(info, args):
     writer_ = HuggingFaceStorageWriter(str(partial), save_distributed=True,  # DIST: each rank writes its shards,
                                        enable_consolidation=True)  # DIST: rank 0 joins them into whole tensors
     dcp.save(get_model_state_dict(model), storage_writer=writer_)  # DIST: every rank, its own rows
-    rank_print(rank, f"{step} steps in {seconds:.1f} s; {peak}")
+    rank_print(rank, f"{step} steps in {seconds:.1f} s; {peak}{fit.against(args.estimate, peak, rank)}")
     if rank == 0:  # one process finishes the directory: the shards' copies out, config.json, digests, in place
         shutil.rmtree(partial / "sharded")
         hf.finish(partial, out, sizes, args.seq_len)
@@ -192,7 +195,7 @@ def worker(info, args):
             "batch_size": args.batch_size, "global_batch_rows": replicas * args.batch_size, "lr": args.lr,
             "steps": step, "train_seconds": seconds, "loss_per_step": losses, "heldout_loss_before": before,
             "heldout_loss": after, "question": question, "answer": said, "resharded": not args.skip_reshard,
-            "memory": peak.result(), "output": str(out)})
+            "memory": peak.result(), "memory_estimate": args.estimate, "output": str(out)})
         if losses:
             plot_curves(args.run_dir / "loss.png", {f"{world_size} ranks": (range(1, step + 1), losses)},
                         "step", "loss over the response tokens (nats)", f"fine-tuning {params:,} parameters")
@@ -234,5 +237,11 @@ def check(args) -> None:
         args.max_steps, args.answer_tokens = min(args.max_steps, 30), min(args.answer_tokens, 60)
 
 
+def estimate(args) -> None:
+    """Memory before the queue: rank 0's bytes, estimated by course/fit.py in the process that starts rank 0."""
+    sizes = hf.sizes_of(args.model_dir)
+    args.estimate = fit.for_lesson(args, sizes, sizes["vocab"], "fsdp", memory.world_size_of(args))
+
+
 if __name__ == "__main__":
-    cli.main(lambda args: (check(args), launch(worker, args)), build_parser())
+    cli.main(lambda args: (check(args), estimate(args), launch(worker, args)), build_parser())

@@ -29,7 +29,7 @@ LARGER = {
     (20, 22): (390, "a new day: text in place of images, a language model's loss, tokens/s and MFU, sampling, "
                   "the plan for a whole Llama (embedding, head, sequence parallelism) and lessons 12 and 16's "
                   "stop signals and DCP checkpoints, composed, all change at once"),
-    (22, 23): (360, "lesson 22's loop on weights read from and written to a Hugging Face directory, on masked "
+    (22, 23): (370, "lesson 22's loop on weights read from and written to a Hugging Face directory, on masked "
                   "prompt/response pairs: most of the removed lines are lesson 22's TP plans, throughput and "
                   "checkpoints going"),
 }

@@ -134,6 +134,11 @@ md(f"The loss starts at {m['one']['loss_per_step'][0]:.2f} nats, near ln 256 = {
 # a GPU's. Each run times its own matmul on all its ranks at once and takes the slowest rank's time, as lesson 18
 # does: with several ranks on a few cores, that peak is a rank's share of the machine, and the MFUs of runs with
 # different numbers of ranks have different denominators.
+#
+# Memory comes twice. Before starting its ranks, the lesson asks day 4's "Will it fit?" (`course/fit.py`) for rank
+# 0's bytes: this model's step, in this layout and with this batch, run on fake tensors, with nothing allocated.
+# Then rank 0 measures its third step (held when it began, the most above that during it) and prints the two side
+# by side.
 
 # %%
 import os
@@ -143,8 +148,15 @@ from course.measuring.memory import MB
 show_table([{"layout": LABELS[k], "ranks": m[k]["world_size"], "tokens/s per rank": m[k]["tokens_per_second_per_rank"],
              "FLOPs per token": m[k]["flops_per_token"], "peak GFLOP/s": m[k]["peak_flops"] / 1e9, "MFU": m[k]["mfu"],
              "held at step 3, MB": m[k]["memory"]["held_before_bytes"] / MB,
-             "most above it, MB": m[k]["memory"]["peak_above_bytes"] / MB} for k in LABELS], floatfmt="{:.3g}")
+             "most above it, MB": m[k]["memory"]["peak_above_bytes"] / MB,
+             "peak, MB": m[k]["memory"]["peak_bytes"] / MB,
+             "estimated peak, MB": m[k]["memory_estimate"]["peak_bytes"] / MB} for k in LABELS], floatfmt="{:.3g}")
 one, fsdp = m["one"], m["fsdp"]
+off = {k: m[k]["memory"]["peak_bytes"] - m[k]["memory_estimate"]["peak_bytes"] for k in LABELS}
+md("The estimates printed before the ranks started equal the measured peaks to the byte in every run above."
+   if not any(off.values()) else
+   "The estimates printed before the ranks started differ from the measured peaks by "
+   + ", ".join(f"{off[k]:+,} bytes ({LABELS[k]})" for k in LABELS) + ".")
 md(f"Each of the {fsdp['world_size']} FSDP2 ranks held {fsdp['memory']['held_before_bytes'] / MB:.3f} MB when step 3 "
    f"began (its shards of the parameters, gradients and AdamW's two moments) against "
    f"{one['memory']['held_before_bytes'] / MB:.3f} MB in one process "
