@@ -807,13 +807,10 @@ def for_lesson(args, sizes: dict, vocab: int, layout: str, world: int, inner: in
         plan = Layout("tp-sp", world, args.batch_size, tp=inner, shard_one_row=True)
     else:
         plan = Layout("fsdp", world, args.batch_size)
-    if launcher == "self":  # this process starts the ranks and joins no process group itself
-        e = estimate(spec, plan)
-    else:  # this process becomes rank 0: nothing of a fake run (its fake groups) may stay in it
-        e = _estimate_in_a_fresh_process(spec, plan)
-        if isinstance(e, str):
-            print(f"memory of rank 0 not estimated ({e})", flush=True)
-            return None
+    e = _estimate_apart(spec, plan)  # nothing of a fake run (its groups, its threads) stays in this process
+    if isinstance(e, str):
+        print(f"memory of rank 0 not estimated ({e})", flush=True)
+        return None
     b = e.bytes
     eager = " (run eagerly: what torch.compile changes is not estimated)" if getattr(args, "compile", False) else ""
     print(f"memory of rank 0, estimated before any rank starts (course/fit.py: this step on fake tensors, "
@@ -823,8 +820,44 @@ def for_lesson(args, sizes: dict, vocab: int, layout: str, world: int, inner: in
             "layout": asdict(plan)}
 
 
+def _estimate_apart(spec: Spec, layout: Layout):
+    """estimate() in another process, so that this one is left as it was: it is about to become rank 0 (torchrun,
+    srun), whose real process groups must not meet the fake run's, or to fork the ranks (the own launcher), which
+    it may only do while no thread of torch's has run here (course/launching/supervise.py).  A fork of this
+    process where that is safe (torch is imported already: no second start), else a fresh interpreter.  Returns
+    an Estimate, or the reason it failed."""
+    from course.launching.supervise import _why_not_fork
+
+    if _why_not_fork() is not None:
+        return _estimate_in_a_fresh_process(spec, layout)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: estimate, send the result, end without running this process's exit handlers
+        code = 1
+        try:
+            os.close(read)
+            try:
+                e = estimate(spec, layout)
+                said = {"bytes": e.bytes, "seconds": e.seconds}
+                code = 0
+            except Exception as error:  # noqa: BLE001 - any failure becomes the one line the parent prints
+                said = {"error": f"{type(error).__name__}: {error}"}
+            with os.fdopen(write, "w") as out:
+                out.write(json.dumps(said))
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as got:
+        text = got.read()
+    os.waitpid(pid, 0)
+    said = json.loads(text) if text else {"error": "the estimating process ended without a result"}
+    return said["error"] if "error" in said else Estimate(layout, said["bytes"], said["seconds"])
+
+
 def _estimate_in_a_fresh_process(spec: Spec, layout: Layout):
-    """estimate() in a new Python process (the rank's own stays untouched): an Estimate, or the reason it failed."""
+    """estimate() in a new Python process: an Estimate, or the reason it failed."""
     import subprocess
 
     code = ("import json, sys\nfrom dataclasses import asdict\nfrom course.fit import Layout, Spec, estimate\n"

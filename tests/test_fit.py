@@ -190,6 +190,23 @@ def test_day5_lessons_estimate_before_their_ranks_start_the_bytes_they_then_meas
     assert "measured / estimated" not in compiled
 
 
+@pytest.mark.slow
+def test_where_a_fork_is_unsafe_a_lessons_estimate_comes_from_a_fresh_interpreter(monkeypatch):
+    """course.fit.for_lesson forks the lesson's process for the fake run where that is safe (every run of the test
+    above); where it is not (a GPU visible, torch's threads started) a fresh interpreter makes the same estimate:
+    here "22: fsdp2"'s, whose peak the lesson measured as 2 640 028 bytes on rank 0."""
+    from course import fit
+    from course.launching import supervise
+
+    monkeypatch.setattr(supervise, "_why_not_fork", lambda: "a GPU is visible")
+    spec = fit.Spec("gpt", 32, 2, 4, vocab=256, seq=32, hidden=64, optimizer="adamw", autocast=True)
+    got = fit._estimate_apart(spec, fit.Layout("fsdp", 2, 8))
+    assert isinstance(got, fit.Estimate), got
+    assert (got.bytes["held_before"], got.bytes["peak"]) == (300_372, 2_640_028)
+    broken = fit._estimate_apart(fit.Spec("gpt", 32, 2, 4, vocab=256, seq=32, hidden=64), fit.Layout("fsdp", 2, 0))
+    assert isinstance(broken, str) and broken, broken  # a failure is one line for the lesson to print, not a crash
+
+
 BAD = [
     (("--width", "-64"), "must be at least 1"),
     (("--depth", "0"), "must be at least 1"),
