@@ -126,6 +126,8 @@ ENV_NOT_WALKED = {
     "TORCHELASTIC_RESTART_COUNT": "set by torchrun itself, only counted",
     "CUDA_VISIBLE_DEVICES": "read by the CUDA runtime; course/launching/devices.py says when a rank sees no GPU",
     "CUBLAS_WORKSPACE_CONFIG": "set by lesson 12 for reproducible kernels, not read",
+    "PYTHONPATH": "only passed on, with the repository put first, to the fresh interpreter that makes day 5's "
+                  "estimate where a fork is unsafe (course/fit.py); Python itself reads it",
     "COURSE_START_METHOD": "how --nproc starts its ranks; a bad value, or fork where it is unsafe, is one line "
                            "(tests/test_launch.py)",
     "COURSE_EXIT_GRACE": "a test aid",
