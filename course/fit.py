@@ -14,7 +14,7 @@ with no memory behind any tensor and no other rank:
   store=FakeStore(), rank=0, world_size=W)`) is rank 0 of W ranks whose collectives return at once: DDP,
   fully_shard, parallelize_module and init_device_mesh run as they do on a cluster, on W ranks' shapes;
 - the lessons' own tracker measures a step (course/measuring/memory.py's StepPeak and LiveTensors, the same
-  code that measures lessons 13, 15 and 19-21; the second step, the third under DDP: MEASURED_STEP): the
+  code that measures lessons 13, 15 and 19-23; the second step, the third under DDP: MEASURED_STEP): the
   bytes held when the step begins (parameters, gradients, optimizer state, the batch, DDP's buckets) and the
   most held above that during it (activations, gathered parameters, gradients before their reduce_scatter,
   temporaries).  A fake tensor's storage has its
@@ -22,11 +22,12 @@ with no memory behind any tensor and no other rank:
 Each layout is set up as its lesson sets it up: DDP as lesson 13, FSDP2 as lesson 15 (each block, then the
 root), TP as lesson 19 (its plan on every block: tensor_parallel_plan below), FSDP2 x TP and HSDP as
 lesson 20, sequence parallelism (tp-sp) with the block plan of lessons 19 and 20's --sequence-parallel
-(`sequence_parallel_plan` below; the tokens gathered again before the final norm, which the lessons keep
-cut).  The GPT (--model gpt) is day 5's (course/gpt.py, laid out as Hugging Face's Llama); its tensor-parallel
-plans are lesson 22's (`gpt_plans`: tp-sp is lesson 22's fsdp-tp, tp the same cut without sequence
-parallelism), its pipeline stages cut as lesson 21 cuts the ViT.  Day 5's lessons call `for_lesson` before
-any rank starts and print its estimate beside the memory they measure.
+(`sequence_parallel_plan` below; the ViT's tokens gathered again before the final norm, which the lessons
+keep cut).  The GPT (--model gpt) is day 5's (course/gpt.py, laid out as Hugging Face's Llama); its
+tensor-parallel plans are lesson 22's (`gpt_plans`: tp-sp is lesson 22's fsdp-tp where there are several
+data-parallel rows, tp the same cut without sequence parallelism), its pipeline stages cut as lesson 21 cuts
+the ViT.  Day 5's lessons call `for_lesson` before any rank starts and print its estimate beside the memory
+they measure.
 Pipelines: the fake process group's send and recv carry nothing, so each PipelineStage is given the shapes
 it receives and sends (torch 2.14.1 then skips the exchange of shapes between stages, which a fake group
 cannot carry), and torch's own schedule (GPipe or 1F1B) runs on the first stage (which holds the most
@@ -35,7 +36,8 @@ Two places where a fake run would differ from a real one are made to behave as o
 kernel of `_c10d_functional.wait_tensor` returns a new tensor where the real one returns its input (TP's
 all_reduces; `_WaitReturnsItsInput`), and the fake group's point-to-point works hold no tensors where gloo's
 and NCCL's hold them until dropped (`_works_hold_their_tensors`).  With both, the estimates equal the lessons'
-measurements of the same step to the byte, but for the lessons' loader's labels (tests/test_fit.py).
+measurements of the same step to the byte, but for the lessons' loader's labels and lesson 23's masked loss
+(its count of response tokens, 4 bytes; tests/test_fit.py).
 What is not counted: the CUDA context (hundreds of MB per GPU), NCCL's buffers, the caching allocator's
 fragmentation and slack, cuBLAS workspaces, and anything that is not a tensor.  --headroom keeps that much of
 each GPU free (default 10%).
@@ -187,7 +189,8 @@ def gpt_plans(sequence: bool) -> tuple:
     """(the plan of a GPT block, the plan of the rest) as lesson 22 (day5/22_gpt_pretraining.py) writes them
     (BLOCK_PLAN and OUTER_PLAN: torchtitan's for a Llama block) with sequence parallelism (`sequence`: tp-sp,
     lesson 22's fsdp-tp); without it, the same cut with the activations whole between the TP layers.  Kept in
-    step with the lesson by hand: tests/test_fit.py compares the lesson's measured bytes with these."""
+    step with the lesson by hand: tests/test_fit.py compares the bytes lesson 22 measures with the
+    sequence-parallel pair's (the pair without it has no lesson to be compared with)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
@@ -726,7 +729,8 @@ def build_parser() -> Parser:
                    help="the layouts to estimate (all: every one, and a recommendation)")
     p.add_argument("--json", type=Path, default=None, help="also write the estimates to this JSON file")
     p.add_argument("--tp", type=positive_int, default=None,
-                   help="TP ranks per group (default: the most of a node's GPUs that divide the heads)")
+                   help="TP ranks per group (default: the most of a node's GPUs that divide the heads, and the "
+                        "GPT's --hidden and --vocab)")
     p.add_argument("--pp", type=positive_int, default=None, help="pipeline stages (default: the nodes, at least 2)")
     p.add_argument("--microbatches", type=positive_int, default=None,
                    help="pipeline micro-batches per replica's batch (default: the stages, or the batch if smaller)")
@@ -787,12 +791,16 @@ def run(args) -> None:
 
 
 def for_lesson(args, sizes: dict, vocab: int, layout: str, world: int, inner: int = 1) -> dict:
-    """Memory before the queue, for day 5's lessons (22 and 23): in the process that will be rank 0, before any
-    rank starts, rank 0's bytes in the lesson's model (course/gpt.py's GPT of `sizes`, `vocab` rows) and layout
-    ("fsdp", or lesson 22's "fsdp-tp" on rows of `inner`; one process when `world` is 1) with its batch
-    (args.batch_size rows of args.seq_len tokens per replica), AdamW, bf16 through autocast if asked, its
-    blocks checkpointed if asked: printed in one line, and returned as StepPeak's result keys (for metrics.json
-    and `against`).  None in every other rank's process (torchrun and srun start each rank's)."""
+    """Memory before the queue, for day 5's lessons (22 and 23), called once the input is checked and before
+    training: in the process that starts the ranks (the own launcher) or that is rank 0 (torchrun, srun: the
+    other ranks wait for it to join), rank 0's bytes in the lesson's model (course/gpt.py's GPT of `sizes`,
+    `vocab` rows) and layout ("fsdp", or lesson 22's "fsdp-tp" on rows of `inner`; one process when `world` is
+    1) with its batch (args.batch_size rows of args.seq_len tokens per replica), AdamW, bf16 through autocast
+    if asked, its blocks checkpointed if asked: printed in one line, and returned as StepPeak's result keys
+    and the layout (for metrics.json and `against`).  None in the other ranks' processes, or where the
+    estimate failed (its one line says why).  AdamW is torch's fused one, which updates in place; the lessons'
+    default on a GPU, foreach, also makes temporaries of the state during optimizer.step(): a peak that falls
+    there is above the estimate."""
     from course.launching.environment import detect_launcher
 
     launcher = detect_launcher(args)
@@ -822,10 +830,11 @@ def for_lesson(args, sizes: dict, vocab: int, layout: str, world: int, inner: in
 
 def _estimate_apart(spec: Spec, layout: Layout):
     """estimate() in another process, so that this one is left as it was: it is about to become rank 0 (torchrun,
-    srun), whose real process groups must not meet the fake run's, or to fork the ranks (the own launcher), which
-    it may only do while no thread of torch's has run here (course/launching/supervise.py).  A fork of this
-    process where that is safe (torch is imported already: no second start), else a fresh interpreter.  Returns
-    an Estimate, or the reason it failed."""
+    srun, or the own launcher with one rank), whose real process groups must not meet the fake run's, or to fork
+    the ranks (the own launcher), which it may only do while no thread of torch's has run here
+    (course/launching/supervise.py).  A fork of this process where that is safe (torch is imported already: no
+    second start), else (a GPU visible, torch's threads started) a fresh interpreter.  Returns an Estimate, or
+    the reason it failed."""
     from course.launching.supervise import _why_not_fork
 
     if _why_not_fork() is not None:

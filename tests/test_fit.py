@@ -146,7 +146,7 @@ def test_an_8b_decoder_on_64_gpus_is_estimated_and_its_totals_are_plausible(tmp_
         b = e["bytes"]
         assert b["peak"] >= b["parameters"] + b["gradients"] + b["optimizer_state"], name
         assert b["activations"] > 4096 * 4096 * 2 * 32, name  # at least one bf16 [tokens, width] a layer
-    assert "use " in done.stdout and "does not fit" in done.stdout  # DDP's 120 GB replica cannot fit in 80 GB
+    assert "use " in done.stdout and "does not fit" in done.stdout  # DDP's 216 GiB a rank cannot fit in 80 GiB
 
 
 # day 5's reference runs (tests/reference_runs.py): each printed course.fit's estimate before its ranks started

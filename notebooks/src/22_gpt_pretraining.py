@@ -135,10 +135,10 @@ md(f"The loss starts at {m['one']['loss_per_step'][0]:.2f} nats, near ln 256 = {
 # does: with several ranks on a few cores, that peak is a rank's share of the machine, and the MFUs of runs with
 # different numbers of ranks have different denominators.
 #
-# Memory comes twice. Before starting its ranks, the lesson asks day 4's "Will it fit?" (`course/fit.py`) for rank
-# 0's bytes: this model's step, in this layout and with this batch, run on fake tensors, with nothing allocated.
-# Then rank 0 measures its third step (held when it began, the most above that during it) and prints the two side
-# by side.
+# Memory comes twice. Before training, the lesson asks day 4's "Will it fit?" (`course/fit.py`) for rank 0's
+# bytes: this model's step, in this layout and with this batch, run on fake tensors, with nothing allocated.
+# Then every rank measures its third step (held when it began, the most above that during it); rank 0's line
+# adds the estimate and measured / estimated.
 
 # %%
 import os
@@ -153,10 +153,13 @@ show_table([{"layout": LABELS[k], "ranks": m[k]["world_size"], "tokens/s per ran
              "estimated peak, MB": m[k]["memory_estimate"]["peak_bytes"] / MB} for k in LABELS], floatfmt="{:.3g}")
 one, fsdp = m["one"], m["fsdp"]
 off = {k: m[k]["memory"]["peak_bytes"] - m[k]["memory_estimate"]["peak_bytes"] for k in LABELS}
-md("The estimates printed before the ranks started equal the measured peaks to the byte in every run above."
+md("The estimates printed before training equal the measured peaks to the byte in every run above."
    if not any(off.values()) else
-   "The estimates printed before the ranks started differ from the measured peaks by "
-   + ", ".join(f"{off[k]:+,} bytes ({LABELS[k]})" for k in LABELS) + ".")
+   "The estimates printed before training differ from the measured peaks by "
+   + ", ".join(f"{off[k]:+,} bytes ({LABELS[k]})" for k in LABELS)
+   + (": on a GPU the measurement also holds what the estimate leaves out (cuBLAS's workspaces, the caching "
+      "allocator's rounding, the temporaries of the lesson's foreach AdamW where the estimate runs the fused one)."
+      if not DEVICE else "."))
 md(f"Each of the {fsdp['world_size']} FSDP2 ranks held {fsdp['memory']['held_before_bytes'] / MB:.3f} MB when step 3 "
    f"began (its shards of the parameters, gradients and AdamW's two moments) against "
    f"{one['memory']['held_before_bytes'] / MB:.3f} MB in one process "

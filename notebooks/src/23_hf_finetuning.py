@@ -130,6 +130,15 @@ md(f"As loaded, every run measures the same held-out loss ({m['one']['heldout_lo
    f"the next all_gather overwrites from the shards, which nothing stepped: "
    + ("those three tensors end bit for bit as loaded, " if root_stuck else "")
    + "while the blocks trained around them.")
+held = {k: m[k]["memory"]["held_before_bytes"] for k in ("fsdp", "pitfall")}
+estimated = {k: (m[k]["memory_estimate"] or {}).get("held_before_bytes") for k in ("fsdp", "pitfall")}
+if estimated["fsdp"] and estimated["fsdp"] == estimated["pitfall"] and held["pitfall"] < held["fsdp"]:
+    md(f"The memory lines show it too. Both runs printed the same estimate of rank 0's bytes before training "
+       f"(course/fit.py runs the correct step): {estimated['fsdp']:,} bytes held as step 3 begins. The run with "
+       f"`reshard()` held {held['fsdp']:,}"
+       + (", as estimated" if held["fsdp"] == estimated["fsdp"] else "")
+       + f"; the pitfall's run {held['pitfall']:,}, {held['fsdp'] - held['pitfall']:,} fewer: no AdamW state (two "
+       f"moments and a step count each) for the root's shards, which its optimizer never holds.")
 
 # %% [markdown]
 # ## The answer, and `transformers` loading the result
