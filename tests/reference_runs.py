@@ -135,8 +135,9 @@ RUNS.update({f"17: {name}": Ref("day3/17_debugging_hangs.py",
 
 # lesson 22 (tests/test_day5.py): one process with the global batch of 16 rows, and each layout with the same
 # global batch: FSDP2 at 2 (torchrun) and 4 ranks, FSDP2 x TP with sequence parallelism on a 1 x 2 and a 2 x 2 mesh,
-# activation checkpointing and compile at 2 ranks, bf16 in one process and on the 2 x 2 mesh; 60 steps at 2 ranks,
-# uninterrupted, for the run that a signal stops and --resume continues
+# activation checkpointing and compile with FSDP2 at 2 and at 4 ranks, bf16 in one process, with FSDP2 at 2 ranks
+# and on the 2 x 2 mesh; 20 and 60 steps at 2 ranks, uninterrupted, for the runs that a signal stops and --resume
+# continues (to step 20 here, to step 60 under the test Slurm)
 GPT = ("--max-steps", "6", "--warmup-steps", "2", "--seed", "5", "--width", "32", "--depth", "2", "--heads", "4",
        "--hidden", "64", "--seq-len", "32", "--eval-rows", "64", "--sample-tokens", "30")
 RUNS.update(plan("22: ", "day5/22_gpt_pretraining.py", GPT, {
@@ -146,10 +147,14 @@ RUNS.update(plan("22: ", "day5/22_gpt_pretraining.py", GPT, {
     "fsdp-tp 1x2": ("torchrun", 2, ("--batch-size", "16", "--layout", "fsdp-tp")),
     "fsdp-tp 2x2": ("self", 4, ("--batch-size", "8", "--layout", "fsdp-tp")),
     "checkpointed": ("self", 2, ("--batch-size", "8", "--checkpoint-activations")),
+    "checkpointed 4": ("self", 4, ("--batch-size", "4", "--checkpoint-activations")),
     "compiled": ("self", 2, ("--batch-size", "8", "--compile")),
+    "compiled 4": ("self", 4, ("--batch-size", "4", "--compile")),
     "bf16 one": ("self", 1, ("--batch-size", "16", "--precision", "bf16")),
+    "bf16 fsdp2": ("self", 2, ("--batch-size", "8", "--precision", "bf16")),
     "bf16 fsdp-tp 2x2": ("self", 4, ("--batch-size", "8", "--layout", "fsdp-tp", "--precision", "bf16")),
-    "fsdp2, 60 steps": ("self", 2, ("--batch-size", "8", "--max-steps", "60")),  # a stop and a resume, against it
+    "fsdp2, 20 steps": ("self", 2, ("--batch-size", "8", "--max-steps", "20")),  # stopped, resumed: against it
+    "fsdp2, 60 steps": ("self", 2, ("--batch-size", "8", "--max-steps", "60")),  # the same on the test Slurm
 }))
 
 # lesson 23 (tests/test_day5_hf.py): a model transformers built and saved (tests/hf_model.py), fine-tuned by one
