@@ -19,6 +19,12 @@ set -euo pipefail
 cd "$(dirname "$0")"
 scripts/system_packages.sh install || true  # without root their tests skip; an apt-get failure is said above
 source scripts/setup_env.sh
+# Bytecode caches for the checkout's own modules, even where the caller's environment forbids them (a
+# PYTHONDONTWRITEBYTECODE=1 left in a shell): the suite starts about a thousand interpreters, and without the
+# caches each one compiles course/ and data_tools/ again, and every pytest process rewrites the asserts of all
+# ~60 test modules again (about 9 CPU-seconds a collection).  A shared read-only venv keeps setup_env.sh's
+# setting: there is nothing to write.
+[ "$read_only" = 1 ] || unset PYTHONDONTWRITEBYTECODE
 
 # --quick anywhere among the arguments; a -m EXPR of the caller's narrows the tier (both must hold), for pytest
 # keeps only the last -m it is given

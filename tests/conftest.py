@@ -209,7 +209,23 @@ def recorded_seconds() -> dict:
     return seconds
 
 
-def pytest_collection_modifyitems(items):
+# The tests marked quick(ID) that this session collected, when it collected the whole suite (tests/test_tiers.py
+# reads them instead of collecting the suite again in a pytest of its own: 30-40 CPU-seconds).  Kept before
+# -m and -k deselect any: what the suite holds, not what this run runs.
+QUICK_COLLECTED = pytest.StashKey[list]()
+
+
+def collected_the_whole_suite(config) -> bool:
+    return all(Path(a).resolve() == REPO / "tests" for a in config.args)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the mark plugin's deselection
+def pytest_collection_modifyitems(config, items):
+    if collected_the_whole_suite(config):
+        config.stash[QUICK_COLLECTED] = [
+            {"test": item.nodeid, "quick": list(item.get_closest_marker("quick").args),
+             "markers": sorted({m.name for m in item.iter_markers()})}
+            for item in items if item.get_closest_marker("quick")]
     per_file = {}
     for test, seconds in recorded_seconds().items():
         per_file[test.split("::")[0]] = per_file.get(test.split("::")[0], 0.0) + seconds
@@ -265,7 +281,7 @@ def pytest_sessionfinish(session, exitstatus):
     (A name a test asks for that is not there fails that test.)"""
     config = session.config
     whole = not config.option.keyword and not config.option.markexpr and not config.option.collectonly and \
-        all(Path(a).resolve() == REPO / "tests" for a in config.args)
+        collected_the_whole_suite(config)
     if hasattr(config, "workerinput") or not whole or exitstatus != 0 or os.environ.get("CI", "").lower() != "true":
         return
     from catalogue import shared_root, unread

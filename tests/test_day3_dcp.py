@@ -79,9 +79,21 @@ def flipped_copy(source, target, name):
     return target
 
 
+class _OnFirstRead(dict):
+    """runs[name]: (run dir, stdout), run when a test first reads it (the quick tier reads only w4 and r42)."""
+
+    def __init__(self, makers):
+        super().__init__()
+        self.makers = makers
+
+    def __missing__(self, name):
+        self[name] = self.makers[name]()
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, dataset):
-    """Four runs share the work:
+    """Four runs share the work, each run when a test first reads it:
     - w4: 6 steps uninterrupted at W = 4 (sync saves at steps 3 and 6);
     - r42: W = 2 (async saves), resumed from w4's step 3 in a directory that also holds a step-6 checkpoint
       with a shard file cut short, an unfinished temporary directory, and copies of w4's step 6 as steps 7,
@@ -89,25 +101,30 @@ def runs(tmp_path_factory, dataset):
     - r24: W = 4, resumed from r42's step 4 (saved by 2 ranks); compared with w4;
     - r22: W = 2, resumed from r42's step 4; compared with r42, which trained on from step 4 at W = 2."""
     root = tmp_path_factory.mktemp("dcp")
-    out = {}
+    torn = root / "dir42"
 
     def go(name, w, *extra):
         proc = lesson(SCRIPT, *COMMON, *BATCH[w], "--nproc", str(w), "--run-dir", root / name, *map(str, extra))
-        out[name] = (root / name, proc.stdout)
+        return root / name, proc.stdout
 
-    go("w4", 4)
-    ckpt4 = root / "w4" / "checkpoints"
-    torn = start_from(ckpt4, 3, root / "dir42")
-    shutil.copytree(ckpt4 / "step-000000006", torn / "step-000000006")
-    shard = torn / "step-000000006" / "__1_0.distcp"
-    shard.write_bytes(shard.read_bytes()[:1000])  # a copy cut short
-    (torn / ".step-000000009.123.tmp").mkdir()  # a save that never finished
-    (torn / ".step-000000009.123.tmp" / "__0_0.distcp").write_bytes(b"half")
-    for step, name in ((7, "__0_0.distcp"), (8, ".metadata"), (9, "complete.json")):  # newer, same sizes
-        flipped_copy(ckpt4 / "step-000000006", torn / f"step-{step:09d}", name)
-    go("r42", 2, "--resume", "--async-save", "--checkpoint-every", "2", "--checkpoint-dir", torn)
-    go("r24", 4, "--resume", "--checkpoint-dir", start_from(torn, 4, root / "dir24"))
-    go("r22", 2, "--resume", "--checkpoint-dir", start_from(torn, 4, root / "dir22"))
+    def r42():
+        ckpt4 = out["w4"][0] / "checkpoints"
+        start_from(ckpt4, 3, torn)
+        shutil.copytree(ckpt4 / "step-000000006", torn / "step-000000006")
+        shard = torn / "step-000000006" / "__1_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:1000])  # a copy cut short
+        (torn / ".step-000000009.123.tmp").mkdir()  # a save that never finished
+        (torn / ".step-000000009.123.tmp" / "__0_0.distcp").write_bytes(b"half")
+        for step, name in ((7, "__0_0.distcp"), (8, ".metadata"), (9, "complete.json")):  # newer, same sizes
+            flipped_copy(ckpt4 / "step-000000006", torn / f"step-{step:09d}", name)
+        return go("r42", 2, "--resume", "--async-save", "--checkpoint-every", "2", "--checkpoint-dir", torn)
+
+    def from_r42_step_4(name, w):
+        out["r42"]  # noqa: B018 (its step 4 is what they resume from)
+        return go(name, w, "--resume", "--checkpoint-dir", start_from(torn, 4, root / f"dir{name[1:]}"))
+
+    out = _OnFirstRead({"w4": lambda: go("w4", 4), "r42": r42, "r24": lambda: from_r42_step_4("r24", 4),
+                        "r22": lambda: from_r42_step_4("r22", 2)})
     return out
 
 

@@ -413,8 +413,18 @@ def test_two_runs_writing_the_same_default_run_dir_at_once_leave_complete_files(
 
 # ------------------------------------------------------------------------------------------ security
 
-SOURCES = [p for p in REPO.rglob("*") if p.suffix in (".py", ".sh", ".md", ".ipynb", ".env")
-           and ".venv" not in p.parts and "runs" not in p.parts and p.name != "test_faults.py"]
+def _sources() -> list:
+    """The checkout's files of these kinds, outside its venv, its runs and git's own directory (not walked:
+    the venv alone holds tens of thousands of files, and every pytest process collects this module)."""
+    found = []
+    for root, dirs, files in os.walk(REPO):
+        dirs[:] = sorted(d for d in dirs if d not in (".venv", "runs", ".git"))
+        found += [Path(root) / f for f in sorted(files) if Path(f).suffix in (".py", ".sh", ".md", ".ipynb", ".env")
+                  and f != "test_faults.py"]
+    return found
+
+
+SOURCES = _sources()
 
 
 def test_every_torch_load_is_weights_only():

@@ -4,12 +4,16 @@ so that `./run_tests.sh --quick` covers every lesson anywhere.  (That every refe
 test is checked at the end of a whole run in CI: tests/conftest.py, pytest_sessionfinish.)"""
 import json
 
-from conftest import PYTHON, run
+from conftest import PYTHON, QUICK_COLLECTED, run
 from test_docs_catalog import catalog
 
 
-def collected_quick_tests(tmp_path) -> list:
-    """What pytest itself collects as quick (tests/quick_marks.py): parametrized ones and markers as applied."""
+def collected_quick_tests(config, tmp_path) -> list:
+    """What pytest itself collects as quick: parametrized ones and markers as applied.  This session's own
+    collection where it collected the whole suite (tests/conftest.py), else a collection of its own
+    (tests/quick_marks.py)."""
+    if QUICK_COLLECTED in config.stash:
+        return config.stash[QUICK_COLLECTED]
     out = tmp_path / "quick.json"
     run([PYTHON, "-m", "pytest", "-p", "quick_marks", "--collect-only", "-q", "-m", "quick", "-p", "no:xdist",
          "-p", "no:cacheprovider", "tests"], env={"COURSE_QUICK_MARKS": str(out), "COURSE_RECORD_DURATIONS": "0"},
@@ -17,8 +21,8 @@ def collected_quick_tests(tmp_path) -> list:
     return json.loads(out.read_text())
 
 
-def test_every_lesson_has_a_quick_test_of_its_central_claim_that_runs_anywhere(tmp_path):
-    ids, quick = {lesson["id"] for lesson in catalog()}, collected_quick_tests(tmp_path)
+def test_every_lesson_has_a_quick_test_of_its_central_claim_that_runs_anywhere(pytestconfig, tmp_path):
+    ids, quick = {lesson["id"] for lesson in catalog()}, collected_quick_tests(pytestconfig, tmp_path)
     named = {}
     for test in quick:
         assert len(test["quick"]) == 1, f"{test['test']}: quick takes the lesson's id, e.g. quick(\"4\")"
