@@ -151,6 +151,7 @@ PROBE = textwrap.dedent("""
             print(f"{name}: passed")
         except Exception as e:
             print(f"{name}: {type(e).__name__}: {e}")
+    dist.destroy_process_group()  # left to the interpreter's exit, gloo's threads once aborted it (exit -6)
 """)
 
 
