@@ -222,10 +222,9 @@ def collected_the_whole_suite(config) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before the mark plugin's deselection
 def pytest_collection_modifyitems(config, items):
     if collected_the_whole_suite(config):
-        config.stash[QUICK_COLLECTED] = [
-            {"test": item.nodeid, "quick": list(item.get_closest_marker("quick").args),
-             "markers": sorted({m.name for m in item.iter_markers()})}
-            for item in items if item.get_closest_marker("quick")]
+        from quick_marks import quick_tests
+
+        config.stash[QUICK_COLLECTED] = quick_tests(items)
     per_file = {}
     for test, seconds in recorded_seconds().items():
         per_file[test.split("::")[0]] = per_file.get(test.split("::")[0], 0.0) + seconds

@@ -7,9 +7,14 @@ import json
 import os
 
 
+def quick_tests(items) -> list:
+    """One record per item marked quick: its id, the lesson id it names, the names of all its markers (also what
+    tests/conftest.py keeps of a session's own collection)."""
+    return [{"test": item.nodeid, "quick": list(item.get_closest_marker("quick").args),
+             "markers": sorted({m.name for m in item.iter_markers()})}
+            for item in items if item.get_closest_marker("quick")]
+
+
 def pytest_collection_finish(session):
-    found = [{"test": item.nodeid, "quick": list(item.get_closest_marker("quick").args),
-              "markers": sorted({m.name for m in item.iter_markers()})}
-             for item in session.items if item.get_closest_marker("quick")]
     with open(os.environ["COURSE_QUICK_MARKS"], "w") as out:
-        json.dump(found, out)
+        json.dump(quick_tests(session.items), out)
