@@ -64,8 +64,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 from course.launching.cli import CourseError, Parser, non_negative_float, positive_int
+from course.measuring.memory import MB
 
-GiB, MB = 2 ** 30, 2 ** 20  # MB as course/measuring/memory.py prints it
+GiB = 2 ** 30
 LAYOUTS = ("ddp", "fsdp", "hsdp", "tp", "tp-sp", "pp")
 WHAT = {"ddp": "DDP: a whole replica on every rank (lesson 13)",
         "fsdp": "FSDP2 over all ranks (lesson 15)",
@@ -205,8 +206,7 @@ def gpt_plans(sequence: bool) -> tuple:
     gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return ({**cut, "input_layernorm": SequenceParallel(), "self_attn": gather,
              "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)), "post_attention_layernorm": SequenceParallel(),
-             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))},
+             "mlp": gather, "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))},
             {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
              "model.norm": SequenceParallel(),
              "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})

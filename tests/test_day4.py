@@ -295,3 +295,25 @@ def test_the_bytes_on_the_wire_are_the_formulas(request):
                for op, r in rows.items())  # 2 ranks: 2(n-1)/n = 1, (n-1)/n = 1/2
 
 
+
+
+def test_the_bytes_sent_are_counted_over_the_interfaces_present_at_both_reads(tmp_path, monkeypatch):
+    """An interface removed between the two reads (another job's veth pair) takes nothing away, one added
+    adds nothing; what the interfaces present at both sent is counted, loopback included."""
+    from course.measuring import hardware
+
+    def proc_net_dev(tx: dict) -> None:
+        lines = ["Inter-|   Receive                                                |  Transmit",
+                 " face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop "
+                 "fifo colls carrier compressed"]
+        lines += [f"{name:>6}: 7 1 0 0 0 0 0 0 {sent} 1 0 0 0 0 0 0" for name, sent in tx.items()]
+        hardware.NET_DEV.write_text("\n".join(lines) + "\n")
+
+    monkeypatch.setattr(hardware, "NET_DEV", tmp_path / "dev")
+    proc_net_dev({"lo": 1000, "eth0": 50, "veth1": 10 ** 9})
+    before = hardware.sent_bytes()
+    assert before == {"lo": 1000, "eth0": 50, "veth1": 10 ** 9}
+    proc_net_dev({"lo": 4000, "eth0": 60, "veth2": 10 ** 6})
+    assert hardware.sent_since(before) == 3010
+    monkeypatch.setattr(hardware, "NET_DEV", tmp_path / "absent")
+    assert hardware.sent_bytes() == {} and hardware.sent_since({}) == 0  # not Linux: nothing counted

@@ -43,32 +43,41 @@ def timed(call, iters: int, device) -> tuple:
     choice), then `iters` calls back to back, started together on every rank (a barrier), ended when the
     device has finished them; the slowest rank's seconds (a collective ends for all when it ends for the
     last: nccl-tests' `-a 3`; its default, `-a 1`, averages the ranks' times), and the bytes this machine's
-    network interfaces sent meanwhile (`sent_bytes`).  Every rank calls it."""
+    network interfaces sent meanwhile (`sent_since`).  Every rank calls it."""
     call()
     clock(device)  # the untimed call has finished
-    sent = sent_bytes()
+    before = sent_bytes()
     dist.barrier()  # every rank of this machine has read the counters before any rank sends
     start = clock(device)
     for _ in range(iters):
         call()
     seconds = torch.tensor([(clock(device) - start) / iters], device=device)
     dist.barrier()  # ... and every rank has sent everything before any reads them again
-    sent = (sent_bytes() - sent) / iters
+    sent = sent_since(before) / iters
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return seconds.item(), sent
 
 
-def sent_bytes() -> int:
-    """Bytes sent so far by every network interface of this machine's network namespace, loopback
-    included (/proc/net/dev's transmit counters): what gloo's TCP connections put on the wire, headers
-    and any other program's traffic included.  NCCL's NVLink, shared-memory and InfiniBand transfers
-    bypass these counters.  0 where the file does not exist (not Linux)."""
+def sent_bytes() -> dict:
+    """{interface: bytes sent so far} for every network interface of this machine's network namespace,
+    loopback included (/proc/net/dev's transmit counters): what gloo's TCP connections put on the wire,
+    headers and any other program's traffic included.  sent_since compares two reads interface by interface,
+    over the interfaces present at both: one added or removed in between (a container's, a VPN's) would
+    otherwise add or take away its whole count.  NCCL's NVLink, shared-memory and InfiniBand transfers
+    bypass these counters.  Empty where the file does not exist (not Linux)."""
     if not NET_DEV.exists():
-        return 0
-    total = 0
+        return {}
+    sent = {}
     for line in NET_DEV.read_text().splitlines()[2:]:
-        total += int(line.split(":", 1)[1].split()[8])
-    return total
+        name, counters = line.split(":", 1)
+        sent[name.strip()] = int(counters.split()[8])
+    return sent
+
+
+def sent_since(before: dict) -> int:
+    """The bytes sent since `before` (a sent_bytes()), summed over the interfaces present at both reads."""
+    now = sent_bytes()
+    return sum(now[name] - before[name] for name in now.keys() & before.keys())
 
 
 def one_rank(rows: list) -> bool:
