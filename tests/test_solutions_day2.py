@@ -1,6 +1,7 @@
 """The solutions of lessons 9-12's and create_mnist_h5's exercises do what they say (tests/test_solutions.py: how).
 """
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -9,7 +10,8 @@ import pytest
 
 from conftest import REPO, environ, max_rel_diff, run
 from course.launching.ports import free_port
-from solutions_check import SOLUTIONS, argv, commands, edit_source, metrics, run_solution, solution, weights
+from solutions_check import (SOLUTIONS, argv, commands, edit_source, metrics, run_solution, sections, solution,
+                             weights)
 
 pytestmark = pytest.mark.slow  # the exercises' checks: the full suite (the quick tier proves each lesson's own claim)
 
@@ -47,8 +49,20 @@ def test_9_1_the_first_node_waits_for_the_second(tmp_path):
 
 @solution("9_torch_dist_multi_node", 2)
 @pytest.mark.slurm
-def test_9_2_on_a_cluster():
-    pytest.skip("needs a Slurm allocation; tests/test_day2_slurm.py runs it on the test cluster")
+def test_9_2_on_a_cluster(slurm_cluster):
+    """The exercise's two commands as written (the script's path made absolute: Slurm's files go to the
+    cluster's directory), on the test's two-node Slurm: what the solution says they print."""
+    allocate, launch = commands("9_torch_dist_multi_node", 2)
+    script, *args = shlex.split(launch)
+    ran = slurm_cluster.run([*shlex.split(allocate), str(REPO / script), *args], timeout=300)
+    out = ran.stdout + ran.stderr
+    assert ran.returncode == 0, out
+    ranks = re.findall(r"^\[rank (\d+)\] local rank (\d+) on node (\d+) \((\S+)\)", out, flags=re.M)
+    assert sorted(rank for rank, *_ in ranks) == ["0", "1", "2", "3"], out
+    assert len({host for *_, host in ranks}) == 2 and sorted({local for _, local, *_ in ranks}) == ["0", "1"], out
+    assert out.count("all_reduce(SUM) = 10, mean = 2.5") == 4, out
+    assert ("4 ranks on 2 host names, local ranks 0-1 on each node, and `all_reduce(SUM) = 10, mean = 2.5` on "
+            "every rank") in sections("9_torch_dist_multi_node")[2]
 
 
 # ------------------------------------------------------------------------------------------ lesson 10
