@@ -23,13 +23,13 @@ W ranks do W*b samples per step in s_W ms, one process does b samples in s_1 ms,
 
 and compares it with the speed-up measured over the whole training.  On a GPU node each rank brings its
 own GPU, c_W and f_W stay c_1 and f_1, and only communication stands between you and a speed-up of W.
-On one CPU the ranks share the same cores (each gets cores // ranks threads), so W ranks cannot add
-cores, only use them differently: more ranks pay off only when one process could not keep its threads
-busy (the CNN's small convolutions at batch 512) and the all_reduce is small next to a step.  The MLP's
-step is so short that the all_reduce of its 0.4 MB of gradients eats any gain.  Other programs on the
-machine slow every part (a thread waiting for a core stalls the others), and the table records how many
-cores they used during training.  Training time excludes the evaluation.  A speed-up is judged against
-1.0 with its noise: the spread of the speeds of blocks of consecutive steps within each run
+On one CPU the ranks share the same cores (each gets cores // ranks threads), so W ranks cannot add cores,
+only use them differently: more ranks pay off only when one process could not keep its threads busy (small
+operations split badly over threads: the sweep measures it for each model) and the all_reduce is small next to
+a step.  The MLP's step is so short that the all_reduce of its 0.4 MB of gradients eats any gain.  Other
+programs on the machine slow every part (a thread waiting for a core stalls the others), and the table records
+how many cores they used during training.  Training time excludes the evaluation.  A speed-up is judged
+against 1.0 with its noise: the spread of the speeds of blocks of consecutive steps within each run
 (course/measuring/timing.py says how).
 
 Each run appends a row to run_dir/timings.csv; rank 0 rewrites the table (scaling.md, scaling.csv) and the

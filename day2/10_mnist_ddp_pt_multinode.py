@@ -11,8 +11,8 @@ On one machine:
 
 The training is lesson 6's, unchanged: DDP neither knows nor cares which ranks share a node, and W ranks on
 two nodes train exactly like W ranks on one (they end with the same weights).  What changes is who does what:
-- the local rank (0 .. ranks per node - 1) picks the device, cuda:<local rank> on every node; the global
-  rank would ask node 2 for GPUs 4..7, which it does not have;
+- the local rank (0 .. ranks per node - 1) picks the device, cuda:<local rank> on every node; with 4 GPUs a
+  node, the global rank would ask node 1 (the second node) for GPUs 4..7, which it does not have;
 - global rank 0, one process in the whole job, writes the shared outputs (metrics, weights, plot) to the
   shared filesystem; "local rank 0" is one process per node, and they would all write the same files;
 - local rank 0 of each node is the one for per-node work (here a line per node; on a real cluster e.g.

@@ -14,18 +14,19 @@ A dataset too large for memory is read from disk while training.  Read it sample
 pays for a whole HDF5 chunk; read it in chunks and the shuffle can only move whole chunks.  So (below:
 ChunkShardSampler, the DataLoader over whole chunks, rebatch; data_tools/h5stream.py reads the file):
 - the chunk is the unit: each epoch the chunk ids are shuffled with seed + epoch (the same order on every
-  rank) and dealt round-robin, rank r reading chunks r, r+W, ...; one aligned read per chunk; the samples
-  of a chunk are then shuffled.  The ranks together read every chunk once: each sample once per epoch;
+  rank) and dealt round-robin, rank r reading the chunks at positions r, r+W, ... of that list; one aligned
+  read per chunk; the samples of a chunk are then shuffled.  The ranks together read every chunk once: each
+  sample once per epoch;
 - the file is opened lazily by whichever process reads (a DataLoader worker, --workers), never inherited
   through fork or pickled;
 - no padding: DistributedSampler repeats samples so that ranks get equal shares, and a padding sample with a
-  made-up label would be trained on.  Here chunk counts may differ by one between ranks, so ranks run out
-  of batches at different steps.  DDP's join() lets the ranks that are done keep answering the others'
-  gradient all_reduces (with zeros) until all are done; then it copies the final weights from a rank that
-  ran to the end.  join() does not know about the optimizer: the momentum of a rank that stopped early
-  missed the last steps, so after each epoch we copy it from a rank that ran to the end as well.
-  (The alternative, dropping the remainder so all ranks take equal steps, would skip samples every epoch.)
-  Each rank prints the steps it took part in and, in brackets, those on its own batches (the rest it
+  made-up label would be trained on.  Here chunk counts may differ by one between ranks (and the last chunk
+  may be short), so ranks run out of batches at different steps.  DDP's join() lets the ranks that are done
+  keep answering the others' gradient all_reduces (with zeros) until all are done; then it copies the final
+  weights from a rank that ran to the end.  join() does not know about the optimizer: the momentum of a rank
+  that stopped early missed the last steps, so after each epoch we copy it from a rank that ran to the end as
+  well.  (The alternative, dropping the remainder so all ranks take equal steps, would skip samples every
+  epoch.)  Each rank prints the steps it took part in and, in brackets, those on its own batches (the rest it
   shadowed under join()).
 The bookkeeping is course/training/coverage.py's: every rank's steps in an epoch (from the samples in its chunks),
 how often each sample was trained on, counted across ranks and reported every epoch, each step's loss

@@ -19,8 +19,8 @@ your user id, so that two users on one node do not collide (as one fixed port wo
 On day 1 one process started all ranks, so it knew every rank number.  Across nodes, each process is started
 by someone else and must learn four facts from its environment: its global rank and the world size (which
 share of the work), its local rank on its node (which GPU), its node, and where rank 0 listens
-(MASTER_ADDR:MASTER_PORT).  MASTER_ADDR must be a name the other nodes can reach: "localhost" on node 2 is
-node 2 itself, and its ranks would wait for a rank 0 that is not there.
+(MASTER_ADDR:MASTER_PORT).  MASTER_ADDR must be a name the other nodes can reach: "localhost" on node 1 (the
+second node) is node 1 itself, and its ranks would wait for a rank 0 that is not there.
 - plain srun starts one task per rank and sets SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_NODEID;
   rank 0 runs on the first node of the node list, which `scontrol show hostnames` expands;
 - torchrun (one agent per node) sets RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK and MASTER_ADDR/PORT itself.

@@ -7,7 +7,8 @@
 # on two nodes train exactly like W ranks on one. What changes is **who does what**:
 #
 # - the **local rank** (0 .. ranks per node - 1) picks the device: `cuda:<local rank>` on every node. The
-#   global rank would ask the second node (node 1) for GPUs 4..7, which it does not have;
+#   global rank would ask the second node (node 1) for GPUs it does not have: with 4 GPUs a node (the
+#   picture below) for cuda:4..7, with 2 (the `salloc` below) for cuda:2..3;
 # - **global rank 0**, one process in the whole job, writes the shared outputs (metrics, weights, plot) to
 #   the shared filesystem. "Local rank 0" is one process *per node*: they would all write the same files;
 # - **local rank 0 of each node** is the one for per-node work (here a line per node; on a real cluster,

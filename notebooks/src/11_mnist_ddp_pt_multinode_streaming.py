@@ -10,12 +10,14 @@
 # (with `data_tools/h5stream.py`) makes **the chunk the unit of sharding**:
 #
 # - each epoch the chunk ids are shuffled with `seed + epoch` (the same order on every rank) and dealt
-#   round-robin: rank *r* reads chunks *r*, *r+W*, ... One aligned read per chunk; then the samples of the
+#   round-robin: rank *r* reads the chunks at positions *r*, *r+W*, ... of that shuffled list (positions,
+#   not chunk ids). One aligned read per chunk; then the samples of the
 #   chunk are shuffled. Together the ranks read every chunk once: **each sample exactly once per epoch**;
 # - the file is opened lazily by whichever process reads it (a DataLoader worker, `--workers`), never
 #   inherited through `fork` or pickled;
 # - **no padding**: `DistributedSampler` repeats samples so that all ranks get equal shares; here the ranks'
-#   chunk counts may differ by one, so they run out of batches at different steps. DDP's `join()` lets the
+#   chunk counts may differ by one (and the last chunk may be short), so they run out of batches at different
+#   steps. DDP's `join()` lets the
 #   ranks that are done keep answering the others' all_reduces until all are done.
 #
 # On a parallel filesystem (Lustre, GPFS) export `HDF5_USE_FILE_LOCKING=FALSE` for other HDF5 tools; this
@@ -104,7 +106,8 @@ ax.plot(first, ".", ms=2)
 ax.set(xlabel="position in rank 0's epoch", ylabel="sample index",
        title=f"rank 0, epoch 0: the first {len(first)} samples (chunks of {chunk})")
 plt.show()
-print(f"steps per rank {m['per_epoch'][0]['steps_per_rank']} (ranks with one chunk less run out early: "
+print(f"steps per rank {m['per_epoch'][0]['steps_per_rank']} (ranks with fewer samples, one chunk less or the "
+      f"short last chunk, run out early: "
       f"join() covers for them); replicas identical at the end: {m['replicas_identical']}; "
       f"time waiting for data per rank: {m['data_wait_seconds']} s")
 assert m["replicas_identical"] and m["per_epoch"][0]["seen_once"] == n_samples

@@ -128,7 +128,7 @@ ax.plot(range(1, len(resumed["loss_per_step"]) + 1), resumed["loss_per_step"], l
 for stop in resumed["stops"]:
     ax.axvline(stop["step"] + 0.5, color="crimson", ls="--")  # after the stop's step, before the next
     ax.text(stop["step"], ax.get_ylim()[1], f" stop: {', '.join(stop['signals'].values())} to rank "
-            f"{', '.join(map(str, stop['signals']))}\n after step {stop['step']}, resumed at step {stop['step'] + 1}", va="top", fontsize=8,
+            f"{', '.join(map(str, stop['signals']))}\n after step {stop['step']}; resumed from its checkpoint", va="top", fontsize=8,
             color="crimson")
 ax.set(xlabel="step", ylabel="training loss (mean over ranks)", title="one training run, in two jobs")
 ax.legend(loc="center right")

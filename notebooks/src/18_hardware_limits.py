@@ -18,8 +18,10 @@
 #   reduce_scatter followed by an all_gather, each sending (n-1)/n of S per rank): the number to compare
 #   with a link's speed, and across world sizes.
 # - **How many bytes really went out.** With gloo the ranks talk over TCP, and the kernel counts every byte
-#   this machine's network interfaces send (loopback included). The lesson reads the counters before and
-#   after the calls and sets the bytes per rank against the ring formula's.
+#   this machine's network interfaces send (loopback included). The lesson reads each interface's counter
+#   before and after the calls, sums the differences over the interfaces present at both reads (one that
+#   appears or vanishes in between, say another job's, would otherwise add or remove its whole count), and
+#   sets the bytes per rank against the ring formula's.
 # - **How fast the arithmetic is.** The FLOP/s of one large square matrix product in the run's precision
 #   (2 n^3 FLOPs in t seconds), timed a few times: a rough ceiling for what a training step could get from
 #   this device (on a shared machine it moves from run to run: read a run's utilization against its own
@@ -124,7 +126,12 @@ if m["world_size"] == 1:
 else:
     small, large, best = ar[0], ar[-1], max(ar, key=lambda r: r["busbw_gbps"])
     grew, slower = large["bytes"] / small["bytes"], large["seconds"] / small["seconds"]
-    flat = [r for r in ar[1:] if r["seconds"] <= 1.1 * small["seconds"]]  # larger, no slower: the fixed cost
+    mib = lambda r: f"{r['bytes'] / 2 ** 20:g}"
+    longer = [i for i, r in enumerate(ar[1:], 1) if r["seconds"] > 1.1 * small["seconds"]]
+    flat = ar[1:longer[0] if longer else len(ar)]  # the sizes after the smallest, up to the first slower one
+    faster = [(op, r, by[op][0]) for op in OPS for r in by[op][1:] if r["seconds"] < 0.9 * by[op][0]["seconds"]]
+    peaks = {op: max(by[op], key=lambda r: r["busbw_gbps"]) for op in OPS}
+    fell = [op for op in OPS if peaks[op] is not by[op][0] and by[op][-1]["busbw_gbps"] < 0.9 * peaks[op]["busbw_gbps"]]
     md(f"The all_reduce's bus bandwidth went from {small['busbw_gbps']:.3f} GB/s at "
        f"{small['bytes'] / 2 ** 20:g} MiB to {best['busbw_gbps']:.3f} GB/s at {best['bytes'] / 2 ** 20:g} MiB "
        f"({best['busbw_gbps'] / small['busbw_gbps']:.1f}x). From {small['bytes'] / 2 ** 20:g} to "
@@ -134,9 +141,16 @@ else:
           f"latency, large ones bandwidth." if slower < grew / 2 else
           f"{slower:.1f}x, about as much: at these sizes the bytes, not the fixed cost of a call, set the "
           f"time.")
-       + (f" The {', '.join('%g' % (r['bytes'] / 2 ** 20) for r in flat)} MiB call took no longer than the "
-          f"{small['bytes'] / 2 ** 20:g} MiB one (within 10%): below that size the fixed cost is the whole call."
-          if flat else "")
+       + (f" Up to {mib(flat[-1])} MiB an all_reduce took no longer than at {mib(small)} MiB (within 10%): there the "
+          f"fixed cost is the whole call." if flat else "")
+       + (" Some larger calls were even faster than their collective's smallest: "
+          + "; ".join(f"{op} at {mib(r)} MiB, {r['seconds'] * 1e3:.2f} against {first['seconds'] * 1e3:.2f} ms"
+                      for op, r, first in faster)
+          + ". At the smallest sizes the fixed cost varies from call to call by more than the bytes add: that "
+            "size's bandwidth, and the gains from it, move with it." if faster else "")
+       + (" " + "; ".join(f"The {op}'s bus bandwidth peaked at {mib(peaks[op])} MiB ({peaks[op]['busbw_gbps']:.3f} "
+                          f"GB/s) and fell after it" for op in fell)
+          + ": read each curve at its peak, not at its last point." if fell else "")
        + " Each size is timed over 5 calls, and on a shared machine every size varies from run to run."
        + f" {m['world_size']} ranks on {'GPUs' if not DEVICE else 'this machine'} with {m['backend']}: "
        + ("the ranks share this machine's cores, and the bytes go through the kernel's loopback, which makes "
@@ -157,8 +171,8 @@ if not all(ratio.values()):
        "shared memory or InfiniBand, which bypass the kernel's counters. The sent/formula column needs gloo "
        "(`--device cpu`).")
 else:
-    span = {op: f"{min(v):.3f}" + (f" to {max(v):.3f}" if max(v) - min(v) >= 0.0005 else "")
-            for op, v in ratio.items()}
+    between = lambda v: f"{min(v):.3f}" + (f" to {max(v):.3f}" if f"{min(v):.3f}" != f"{max(v):.3f}" else "")
+    span = {op: between(v) for op, v in ratio.items()}
     rs = sum(ratio["reduce_scatter"]) / len(ratio["reduce_scatter"])
     like_all_reduce = {r["bytes"]: r["sent"] for r in by["all_reduce"]}
     same = [r["sent"] / like_all_reduce[r["bytes"]] for r in by["reduce_scatter"] if like_all_reduce.get(r["bytes"])]
@@ -168,7 +182,7 @@ else:
        f"{max(abs(x - 1) for op in ('all_reduce', 'all_gather') for x in ratio[op]):.1%} (TCP's headers, "
        f"and any other program's traffic on this machine meanwhile). "
        + (f"gloo's reduce_scatter sends about **twice** its formula: as much as an all_reduce of the same "
-          f"tensor ({min(same):.3f}-{max(same):.3f} of the all_reduce's bytes at the same sizes), because "
+          f"tensor ({between(same)}x the all_reduce's bytes at the same sizes), because "
           f"torch's gloo backend runs it as an all_reduce of a copy of the input, of which each rank keeps its "
           f"piece. Its busbw, computed with nccl-tests' (n-1)/n for a true reduce_scatter (NCCL's), counts half "
           f"of what the link carried." if 1.8 < rs < 2.2 else

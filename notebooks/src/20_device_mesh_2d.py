@@ -191,8 +191,8 @@ said = {k: "; ".join(f"\"{dim}\" ({d['ranks']} ranks, {'across nodes' if d['inte
                      for dim, d in dims[k].items()) for k in dims}
 md(f"Per step, each dimension's collectives alone: FSDP2 x TP {said['fsdp-tp']} (a step took "
    f"{m['fsdp-tp']['step_seconds'] * 1e3:.0f} ms); HSDP {said['hsdp']} (a step took "
-   f"{m['hsdp']['step_seconds'] * 1e3:.0f} ms). The groups are 2 ranks each, a row or a column of the "
-   f"{ROWS} x {INNER} mesh, not all {NPROC}: a collective over all ranks of a two-node job would run at the "
+   f"{m['hsdp']['step_seconds'] * 1e3:.0f} ms). The groups are a row ({INNER} ranks) or a column ({ROWS} "
+   f"ranks) of the {ROWS} x {INNER} mesh, not all {NPROC}: a collective over all ranks of a two-node job would run at the "
    f"speed of the link between the nodes, whichever dimension sends it. Here every rank is on one machine, so "
    f"every group is inside one node; on the course's two-node Slurm job, with a row per node, the \"tp\" and "
    f"\"shard\" rows stay inside a node and the \"dp\" and \"replicate\" columns cross. Each time is what "

@@ -107,7 +107,12 @@ md(f"Here the slowest of the {NPROC} ranks trained for {slowest:.2f} s and the s
       f"all_reduce (its 'splitting the cores into ranks'). " if DEVICE else "")
    + ("The single process ended with exactly the ranks' weights." if diff == 0 else
       f"The single process's weights differ from the ranks' by at most {diff:.1e} (the largest weight is "
-      f"{largest:.2f}): it ran on more threads, which add up the same numbers in a different order."))
+      f"{largest:.2f}; "
+      + (f"the same test accuracy, {m['test_accuracy']:.4f}" if single["test_accuracy"] == m["test_accuracy"] else
+         f"test accuracy {single['test_accuracy']:.4f} against the ranks' {m['test_accuracy']:.4f}")
+      + f"): it ran on more threads, which add up the same numbers in a different order. Each step's results "
+        f"differ in their last bits, and {m['steps']} steps of training carry those differences on and can "
+        f"grow them."))
 
 # %% [markdown]
 # ## Try it yourself

@@ -124,7 +124,7 @@ md(f"With {several['collectives_per_step']:g} buckets, {several['overlap_fractio
    f"while backward was still computing (with one bucket: {one['overlap_fraction']:.0%}). That time is hidden "
    "only if communication and computation do not compete for the same resources: on GPUs, NCCL moves data "
    "over its own links while the GPU computes; on a CPU, gloo's threads share the cores with backward, so "
-   + (f"the step need not get faster: here it took {times}. " if several["step_ms"] >= one["step_ms"] else
+   + (f"the step need not get faster: here it took {times}, one short profiled run each. " if several["step_ms"] >= one["step_ms"] else
       f"a faster step is no proof of overlap: here it took {times}, one short profiled run each, too few "
       "steps to credit the buckets with the difference. ")
    + "Large models on GPUs are where DDP's buckets and overlap pay off.")

@@ -96,8 +96,8 @@ for r in table:  # keep a record of these rows (the same configuration runs in o
 # Each bar stacks the three parts of a step, timed before training (medians); the black line over it is
 # the mean step the training then took (the dotted line: its median step; the mean is what samples/s and
 # the speed-up are made of). Where the bars of both world sizes reach their lines, the parts account for
-# the steps and the prediction can be trusted; where the communication part is as large as the work saved by splitting
-# the batch, more ranks cannot pay off.
+# the steps and the prediction can be trusted; where the communication part is as large as the time the
+# ranks save on a step's work (the run's "from splitting the cores into ranks"), more ranks cannot pay off.
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -146,8 +146,8 @@ plt.show()
 # %% [markdown]
 # ## What the sweeps say, on this machine
 #
-# A speed-up is a ratio of two noisy runs: it says "more ranks pay off" only when 1.0 lies outside speed-up
-# ± noise.
+# A speed-up is a ratio of two noisy runs: it says "more ranks pay off" or "more ranks cost time" only when
+# 1.0 lies outside speed-up ± noise.
 
 # %%
 lines = []

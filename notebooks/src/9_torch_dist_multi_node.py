@@ -46,6 +46,9 @@ DEVICE = [] if gpu_count() >= 2 * PER_NODE else ["--device", "cpu"]
 
 # %% [markdown]
 # ## The picture
+#
+# Two nodes with 4 GPUs each, 8 ranks. The `salloc` above asks for 2 ranks a node, 4 in all, as the run
+# below starts them.
 
 # %%
 draw_nodes(2, 4)
@@ -117,12 +120,13 @@ else:
 #
 # Solutions, with the commands and what they print: [`solutions/9_torch_dist_multi_node.md`](../solutions/9_torch_dist_multi_node.md).
 #
-# 1. In two terminals, the two torchrun commands printed above (`--node_rank=0` and `--node_rank=1`, the same
-#    free `--master_port`): start one, wait, start the other. You should see the first print nothing until
-#    the second arrives (it waits at the rendezvous), then both nodes' ranks print `all_reduce(SUM) = 10,
-#    mean = 2.5`.
+# 1. In two terminals, the two commands printed above (`python -m torch.distributed.run` is `torchrun`;
+#    `--node_rank=0` and `--node_rank=1`, the same free `--master_port`): start one, wait, start the other.
+#    You should see the first print nothing until the second arrives (it waits at the rendezvous), then both
+#    nodes' ranks print `all_reduce(SUM) = 10, mean = 2.5`.
 # 2. On a cluster: `salloc --nodes 2 --ntasks-per-node=2 ...` and
-#    `./day2/multinode_setup_and_run.sh 9_torch_dist_multi_node.py`. You should see 8 ranks on 2 host names,
-#    local ranks 0-3 on each, and `mean = 4.5` on every rank.
+#    `./day2/multinode_setup_and_run.sh 9_torch_dist_multi_node.py`. You should see 4 ranks on 2 host names,
+#    local ranks 0-1 on each, and `all_reduce(SUM) = 10, mean = 2.5` on every rank (the run above, on two
+#    real machines).
 #
 # Next: [lesson 10](10_mnist_ddp_pt_multinode.ipynb): DDP training across nodes.
