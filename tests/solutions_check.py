@@ -71,15 +71,14 @@ def argv(line, tmp) -> tuple:
 
 
 def run_once(tmp):
-    """ran(line, check=True, prefix=()): a solution's command line run once in `tmp` (runs/ -> it), its
-    CompletedProcess, the same one again for the same line (a run that several exercises compare with);
-    `prefix`: what the command runs under, as written otherwise (`unshare -n ...`); ran.tmp: `tmp`."""
+    """ran(line, check=True): a solution's command line run once in `tmp` (runs/ -> it), its CompletedProcess,
+    the same one again for the same line (a run that several exercises compare with); ran.tmp: `tmp`."""
     done = {}
 
-    def ran(line, check=True, prefix=()):
+    def ran(line, check=True):
         if line not in done:
             cmd, env = argv(line, tmp)
-            done[line] = run([*prefix, *cmd], env=env, check=check)
+            done[line] = run(cmd, env=env, check=check)
         return done[line]
 
     ran.tmp = tmp
